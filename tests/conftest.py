@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random-init checkpoints of every family, created offline in a temp dir."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+FAMILIES = ("dinov2", "dinov2_registers", "dinov3", "vit", "clip", "siglip")
+
+
+def _save_processor(folder: Path, processor: Any | dict[str, Any]) -> None:
+    if isinstance(processor, dict):
+        (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    else:
+        processor.save_pretrained(folder)
+
+
+def make_tiny_checkpoint(family: str, folder: Path, *, seed: int = 0) -> Path:
+    """A 2-block, 32-wide model of `family`, saved with its image processor config (safetensors)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    imagenet = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+    model: Any
+    processor: Any
+    if family in ("dinov2", "dinov2_registers"):
+        if family == "dinov2":
+            model = tf.Dinov2Model(tf.Dinov2Config(**TINY, patch_size=14, image_size=56))
+        else:
+            config = tf.Dinov2WithRegistersConfig(**TINY, patch_size=14, image_size=56, num_register_tokens=4)
+            model = tf.Dinov2WithRegistersModel(config)
+        processor = tf.BitImageProcessorPil(
+            size={"shortest_edge": 64}, crop_size={"height": 56, "width": 56}, resample=3, **imagenet
+        )
+    elif family == "dinov3":
+        config = tf.DINOv3ViTConfig(**TINY, patch_size=16, image_size=64, num_register_tokens=2)
+        model = tf.DINOv3ViTModel(config)
+        processor = {
+            "image_processor_type": "DINOv3ViTImageProcessor",
+            "size": {"height": 64, "width": 64},
+            "resample": 2,
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            **imagenet,
+        }
+    elif family == "vit":
+        model = tf.ViTModel(tf.ViTConfig(**TINY, patch_size=16, image_size=64), add_pooling_layer=True)
+        processor = tf.ViTImageProcessorPil(size={"height": 64, "width": 64})
+    elif family == "clip":
+        # A whole dual encoder, as CLIP checkpoints ship: the loader must take only the vision tower.
+        text = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+        vision = {**TINY, "patch_size": 16, "image_size": 64}
+        model = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+        processor = tf.CLIPImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    elif family == "siglip":
+        model = tf.SiglipVisionModel(tf.SiglipVisionConfig(**TINY, patch_size=16, image_size=64))
+        processor = tf.SiglipImageProcessorPil(size={"height": 64, "width": 64})
+    else:
+        raise ValueError(family)
+    model.save_pretrained(folder, safe_serialization=True)
+    _save_processor(folder, processor)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: make_tiny_checkpoint(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    def make(family: str, *, seed: int = 0) -> Path:
+        return make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}-{seed}") / family, seed=seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def sample_images() -> list[Any]:
+    """Real photographs of odd sizes (scikit-image bundles them), as PIL RGB images."""
+    from PIL import Image
+    from skimage import data
+
+    arrays = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    return [Image.fromarray(a).convert("RGB") for a in arrays]

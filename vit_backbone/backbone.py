@@ -1,0 +1,386 @@
+"""``Backbone``: one loaded checkpoint, its declared rules, and the three calls people need.
+
+``features()`` gives typed token sets for heads, ``embed()`` goes from images to pooled numpy arrays, and
+``info()`` states every fact that decides what the numbers mean (family, grid, prefix tokens,
+interpolation rule, preprocessing hash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import InvalidOptionError, SizeError
+from .features import Features, LayerTokens
+from .loading import ResolvedCheckpoint, instantiate_model, load_spec, read_processor_config, resolve_checkpoint
+from .pooling import Pooling, check_pooling, pool, pooled_dim
+from .pos_embed import PositionTableCache
+from .preprocess import PreprocessConfig, Prepared, Preprocessor, ResizePolicy, stack
+from .specs import FamilySpec, InterpolationRule, ResampleMethod
+
+ImageInput = Image.Image | bytes
+LayersArg = int | Sequence[int] | None
+RESIZE_POLICIES: tuple[str, ...] = ("crop", "squash", "pad", "dynamic")
+
+
+@dataclass(frozen=True)
+class EmbedDefaults:
+    """What ``embed(images)`` does with no options; the embedded model's values are measured choices."""
+
+    pooling: Pooling = "cls"
+    layers: tuple[int, ...] | None = None
+    policy: ResizePolicy = "crop"
+
+
+@dataclass(frozen=True)
+class BackboneInfo:
+    name: str
+    revision: str
+    source: str
+    family: str
+    model_class: str
+    dim: int
+    depth: int
+    heads: int
+    patch_size: tuple[int, int]
+    native_grid: tuple[int, int]
+    native_size: tuple[int, int]
+    prefix_tokens: int
+    has_cls: bool
+    registers: int
+    pos_embed: str
+    interpolation: str  # the user-facing rule
+    resample: str  # what it resolves to for this family
+    final_norm: str
+    pooler: str
+    params: int
+    dtype: str
+    device: str
+    preprocess: dict[str, Any]
+    preprocess_hash: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Backbone:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: FamilySpec,
+        config: dict[str, Any],
+        checkpoint: ResolvedCheckpoint,
+        preprocess: PreprocessConfig,
+        *,
+        interpolation: InterpolationRule = "transformers",
+        defaults: EmbedDefaults | None = None,
+        autocast: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.config = config
+        self.checkpoint = checkpoint
+        self.vision_config = dict(spec.vision_config(config))
+        self.patch_size = spec.patch_size(config)
+        self.native_grid = spec.native_grid(config)
+        self.num_registers = spec.num_registers(config)
+        self.prefix_tokens = spec.prefix_tokens(config)
+        self.depth = int(self.vision_config["num_hidden_layers"])
+        self.dim = int(self.vision_config["hidden_size"])
+        self.interpolation: InterpolationRule = interpolation
+        self.resample: ResampleMethod = spec.resample_method(interpolation)
+        self.defaults = defaults or EmbedDefaults(pooling="pooler" if not spec.has_cls else "cls")
+        self.autocast = autocast
+        self.preprocess_config = preprocess
+        self.preprocessor = Preprocessor(preprocess, self.patch_size, self.native_grid)
+        self._final_norm: torch.nn.Module = _get_attr(model, spec.final_norm)
+        self._positions: PositionTableCache | None = None
+        if spec.pos_embed == "learned":
+            self._install_position_rule()
+
+    # ------------------------------------------------------------------ positions
+    def _install_position_rule(self) -> None:
+        """Route the model's own position lookup through our declared rule and per-grid cache.
+
+        Every learned-table family in transformers calls ``embeddings.interpolate_pos_encoding(emb, H, W)``
+        with pixel sizes; replacing it on the instance keeps the rest of transformers' forward untouched.
+        """
+        table = _get_attr(self.model, self.spec.pos_table_attr)
+        if table.dim() == 2:  # nn.Embedding weight [P + N, D]
+            table = table.unsqueeze(0)  # [1, P + N, D]
+        self._positions = PositionTableCache(table, has_cls=self.spec.pos_table_has_cls, method=self.resample)
+        if self._positions.source_grid != self.native_grid:
+            self.native_grid = self._positions.source_grid
+        positions = self._positions
+        patch_h, patch_w = self.patch_size
+
+        def interpolate_pos_encoding(embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
+            grid = (int(height) // patch_h, int(width) // patch_w)
+            return positions.get(grid, dtype=embeddings.dtype, device=embeddings.device)  # [1, P + h*w, D]
+
+        embeddings_module = _get_attr(self.model, "embeddings")
+        embeddings_module.interpolate_pos_encoding = interpolate_pos_encoding
+
+    # ------------------------------------------------------------------ layers
+    def resolve_layers(self, layers: LayersArg) -> list[int] | None:
+        """0-based block indices (negative from the end); an int picks one block. None = last block."""
+        if layers is None:
+            return None
+        chosen = [layers] if isinstance(layers, int) else list(layers)
+        if not chosen:
+            raise InvalidOptionError("layers must name at least one block, e.g. [-1] or [-4, -3, -2, -1]")
+        resolved: list[int] = []
+        for index in chosen:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise InvalidOptionError(f"layers must be integers, got {index!r}")
+            if not -self.depth <= index < self.depth:
+                raise InvalidOptionError(
+                    f"layer {index} does not exist: this model has {self.depth} blocks "
+                    f"(valid: 0..{self.depth - 1} or -{self.depth}..-1)"
+                )
+            resolved.append(index % self.depth)
+        if len(set(resolved)) != len(resolved):
+            raise InvalidOptionError(f"layers {chosen} name the same block twice")
+        return resolved
+
+    # ------------------------------------------------------------------ forward
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    def check_pixel_size(self, height: int, width: int) -> tuple[int, int]:
+        patch_h, patch_w = self.patch_size
+        if height % patch_h or width % patch_w or height < patch_h or width < patch_w:
+            raise SizeError(
+                f"pixel size {height}x{width} is not a positive multiple of the patch {patch_h}x{patch_w}: "
+                f"the remainder would be dropped silently. Nearest multiples: "
+                f"{_nearest(height, patch_h)}x{_nearest(width, patch_w)}; resize with a policy "
+                f"(e.g. policy='dynamic') instead."
+            )
+        return height // patch_h, width // patch_w
+
+    @torch.inference_mode()
+    def features(self, pixel_values: torch.Tensor, *, layers: LayersArg = None) -> Features:
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
+            raise InvalidOptionError(f"pixel_values must be [B, 3, H, W], got {list(pixel_values.shape)}")
+        grid = self.check_pixel_size(int(pixel_values.shape[2]), int(pixel_values.shape[3]))
+        chosen = self.resolve_layers(layers) or []
+        pixel_values = pixel_values.to(device=self.device, dtype=self.dtype)  # [B, 3, H, W]
+        kwargs: dict[str, Any] = {"output_hidden_states": True}
+        if self.spec.needs_interpolate_flag:
+            kwargs["interpolate_pos_encoding"] = True
+        with self._autocast():
+            out = self.model(pixel_values, **kwargs)
+            hidden = out.hidden_states  # L+1 x [B, P + h*w, D]; [0] is the embedding output
+            last = self._split(self._final_norm(hidden[-1]), grid)
+            per_layer = {i: self._split(self._final_norm(hidden[i + 1]), grid) for i in chosen}
+        pooler = getattr(out, "pooler_output", None)
+        return Features(
+            cls=last.cls,
+            registers=last.registers,
+            patches=last.patches,
+            pooler=pooler,
+            layers=per_layer,
+        )
+
+    def _split(self, tokens: torch.Tensor, grid: tuple[int, int]) -> LayerTokens:
+        batch, _, dim = tokens.shape  # [B, P + h*w, D]
+        cls = tokens[:, 0] if self.spec.has_cls else None  # [B, D]
+        start = int(self.spec.has_cls)
+        registers = tokens[:, start : start + self.num_registers]  # [B, R, D]
+        patches = tokens[:, self.prefix_tokens :].reshape(batch, grid[0], grid[1], dim)  # [B, h, w, D]
+        return LayerTokens(cls=cls, registers=registers, patches=patches)
+
+    # ------------------------------------------------------------------ images → arrays
+    def prepare(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        size: tuple[int, int] | None = None,
+        policy: ResizePolicy | None = None,
+        draft: bool = True,
+    ) -> list[Prepared]:
+        chosen_policy = self.check_policy(policy)
+        items = [images] if isinstance(images, Image.Image | bytes) else list(images)
+        return [self.preprocessor(item, policy=chosen_policy, size=size, draft=draft) for item in items]
+
+    def check_policy(self, policy: str | None) -> ResizePolicy:
+        chosen = policy or self.defaults.policy
+        if chosen not in RESIZE_POLICIES:
+            raise InvalidOptionError(f"unknown policy {chosen!r}; choose one of {', '.join(RESIZE_POLICIES)}")
+        return chosen  # type: ignore[return-value]
+
+    def pool(self, features: Features, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
+        return pool(features, pooling, layers)
+
+    def embed_prepared(
+        self,
+        prepared: Sequence[Prepared],
+        *,
+        pooling: Pooling | None = None,
+        layers: LayersArg = None,
+        normalize: bool = False,
+        batch_size: int = 8,
+    ) -> np.ndarray:
+        """Embed already-preprocessed images; items with different grids run in separate forwards."""
+        chosen_pooling = check_pooling(pooling or self.defaults.pooling)
+        chosen_layers = self.resolve_layers(layers if layers is not None else self.defaults.layers)
+        if batch_size < 1:
+            raise InvalidOptionError("batch_size must be at least 1")
+        grids = {p.grid for p in prepared}
+        if chosen_pooling == "patch" and len(grids) > 1:
+            raise InvalidOptionError(
+                f"pooling='patch' returns one grid per image, and these images have {len(grids)} different "
+                f"grids {sorted(grids)}: use a fixed-size policy (crop, squash, pad) or embed them separately"
+            )
+        results: list[torch.Tensor | None] = [None] * len(prepared)
+        for indices in _batches_by_grid(prepared, batch_size):
+            pixel_values, _ = stack([prepared[i] for i in indices])  # [b, 3, H, W]
+            feats = self.features(pixel_values, layers=chosen_layers)
+            pooled = pool(feats, chosen_pooling, chosen_layers).float()  # [b, F] or [b, h, w, F]
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            for row, index in enumerate(indices):
+                results[index] = pooled[row]
+        if not results:
+            return np.zeros((0, self.output_dim(chosen_pooling, chosen_layers)), dtype=np.float32)
+        return torch.stack([r for r in results if r is not None]).cpu().numpy()
+
+    def embed(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        pooling: Pooling | None = None,
+        layers: LayersArg = None,
+        size: tuple[int, int] | None = None,
+        policy: ResizePolicy | None = None,
+        normalize: bool = False,
+        batch_size: int = 8,
+        draft: bool = True,
+    ) -> np.ndarray:
+        """PIL images or encoded bytes → float32 array [B, F] ([B, h, w, F] for ``patch``), input order."""
+        prepared = self.prepare(images, size=size, policy=policy, draft=draft)
+        return self.embed_prepared(
+            prepared, pooling=pooling, layers=layers, normalize=normalize, batch_size=batch_size
+        )
+
+    def output_dim(self, pooling: Pooling, layers: list[int] | None) -> int:
+        return pooled_dim(pooling, self.dim, 1 if layers is None else len(layers))
+
+    # ------------------------------------------------------------------ facts
+    def info(self) -> BackboneInfo:
+        native = (self.native_grid[0] * self.patch_size[0], self.native_grid[1] * self.patch_size[1])
+        return BackboneInfo(
+            name=self.checkpoint.name,
+            revision=self.checkpoint.revision,
+            source=self.checkpoint.source,
+            family=self.spec.name,
+            model_class=self.spec.model_class,
+            dim=self.dim,
+            depth=self.depth,
+            heads=int(self.vision_config["num_attention_heads"]),
+            patch_size=self.patch_size,
+            native_grid=self.native_grid,
+            native_size=native,
+            prefix_tokens=self.prefix_tokens,
+            has_cls=self.spec.has_cls,
+            registers=self.num_registers,
+            pos_embed=self.spec.pos_embed,
+            interpolation=self.interpolation if self.spec.pos_embed == "learned" else "rope",
+            resample=self.resample if self.spec.pos_embed == "learned" else "none",
+            final_norm=self.spec.final_norm,
+            pooler=self.spec.pooler,
+            params=sum(p.numel() for p in self.model.parameters()),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            preprocess=self.preprocess_config.to_dict(),
+            preprocess_hash=self.preprocess_config.hash(),
+            defaults={
+                "pooling": self.defaults.pooling,
+                "layers": None if self.defaults.layers is None else list(self.defaults.layers),
+                "policy": self.defaults.policy,
+            },
+        )
+
+
+def _batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[list[int]]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, item in enumerate(prepared):
+        groups.setdefault(item.grid, []).append(index)
+    for indices in groups.values():
+        for start in range(0, len(indices), batch_size):
+            yield indices[start : start + batch_size]
+
+
+def _get_attr(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _nearest(value: int, patch: int) -> str:
+    low = max(patch, value // patch * patch)
+    high = -(-value // patch) * patch
+    return str(low) if low == high else f"{low} or {high}"
+
+
+def load_backbone(
+    name_or_path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    interpolation: InterpolationRule = "transformers",
+    allow_pickle: bool = False,
+    cache_dir: Path | None = None,
+    autocast: torch.dtype | None = None,
+) -> Backbone:
+    """Load a ViT-family backbone: a local HF checkpoint folder, a hub id (local cache first), or ``embedded``."""
+    checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
+    spec, config = load_spec(checkpoint.path)
+    spec.resample_method(interpolation)  # validate before paying for the weights
+    model = instantiate_model(checkpoint.path, spec, config, allow_pickle=allow_pickle, dtype=dtype)
+    model.to(torch.device(device))
+    processor = read_processor_config(checkpoint.path) or dict(spec.default_processor)
+    defaults = _read_defaults(checkpoint.path, spec)
+    return Backbone(
+        model,
+        spec,
+        config,
+        checkpoint,
+        PreprocessConfig.from_processor_dict(processor),
+        interpolation=interpolation,
+        defaults=defaults,
+        autocast=autocast,
+    )
+
+
+def _read_defaults(folder: Path, spec: FamilySpec) -> EmbedDefaults | None:
+    import json
+
+    meta_file = folder / "vitembed.json"
+    if not meta_file.is_file():
+        return None
+    raw = json.loads(meta_file.read_text()).get("defaults") or {}
+    layers = raw.get("layers")
+    return EmbedDefaults(
+        pooling=check_pooling(raw.get("pooling", "cls" if spec.has_cls else "pooler")),
+        layers=None if layers is None else tuple(int(i) for i in layers),
+        policy=raw.get("policy", "crop"),
+    )

@@ -1,0 +1,94 @@
+"""Poolings: how token sets become one feature per image. Each is a distinct feature; none is mixed in silently.
+
+- ``cls``: the CLS token after the final norm.
+- ``pooler``: the model's own pooler_output (ViT's Dense+tanh, SigLIP's attention pooling); last block only.
+- ``mean``: mean of the patch tokens; CLS and registers excluded.
+- ``cls_mean``: ``cls`` and ``mean`` concatenated.
+- ``gem``: generalised mean of the patch tokens with p = 3, sign-preserving (ViT tokens are signed;
+  the usual clamp-at-zero GeM would discard half of each channel). Equals classic GeM for non-negative input.
+- ``patch``: the patch grid [B, h, w, D].
+- ``linear_eval``: the DINOv2 linear-evaluation input: CLS of each requested block, then the mean patch
+  token of the last requested block (``create_linear_input`` with ``use_avgpool=True``).
+
+With several blocks, each block's pooled feature is concatenated in the order given ([B, L*D], or
+[B, h, w, L*D] for ``patch``), except ``linear_eval`` whose layout is the recipe's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+import torch
+
+from .errors import InvalidOptionError
+from .features import Features, LayerTokens
+
+Pooling = Literal["cls", "pooler", "mean", "cls_mean", "gem", "patch", "linear_eval"]
+POOLINGS: tuple[str, ...] = get_args(Pooling)
+GEM_P = 3.0
+
+
+def check_pooling(pooling: str) -> Pooling:
+    if pooling not in POOLINGS:
+        raise InvalidOptionError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+    return pooling  # type: ignore[return-value]
+
+
+def _require_cls(tokens: LayerTokens, pooling: str) -> torch.Tensor:
+    if tokens.cls is None:
+        raise InvalidOptionError(
+            f"pooling={pooling!r} needs a CLS token, and this model has none (SigLIP); "
+            f"use pooling='pooler' (its attention pooling) or 'mean'"
+        )
+    return tokens.cls
+
+
+def mean_patches(tokens: LayerTokens) -> torch.Tensor:  # [B, D]
+    return tokens.patches.flatten(1, 2).mean(dim=1)
+
+
+def gem_patches(tokens: LayerTokens, p: float = GEM_P) -> torch.Tensor:  # [B, D]
+    x = tokens.patches.flatten(1, 2).float()  # [B, N, D]
+    m = (x.sign() * x.abs().pow(p)).mean(dim=1)  # [B, D]
+    return (m.sign() * m.abs().pow(1.0 / p)).to(tokens.patches.dtype)
+
+
+def pool_layer(tokens: LayerTokens, pooling: Pooling) -> torch.Tensor:
+    if pooling == "cls":
+        return _require_cls(tokens, pooling)
+    if pooling == "mean":
+        return mean_patches(tokens)
+    if pooling == "cls_mean":
+        return torch.cat([_require_cls(tokens, pooling), mean_patches(tokens)], dim=-1)  # [B, 2D]
+    if pooling == "gem":
+        return gem_patches(tokens)
+    if pooling == "patch":
+        return tokens.patches
+    raise InvalidOptionError(f"pooling {pooling!r} is not a per-block pooling")
+
+
+def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> torch.Tensor:
+    """Pool ``features`` whose ``layers`` already hold every requested block (None = last block)."""
+    if pooling == "pooler":
+        if layers is not None:
+            raise InvalidOptionError("pooling='pooler' is the model's own head on the last block; drop `layers`")
+        if features.pooler is None:
+            raise InvalidOptionError("this checkpoint has no pooler weights; use pooling='cls'")
+        return features.pooler
+    chosen = [features.last] if layers is None else [features.layers[i] for i in layers]
+    if pooling == "linear_eval":
+        cls_tokens = [_require_cls(t, pooling) for t in chosen]
+        return torch.cat([*cls_tokens, mean_patches(chosen[-1])], dim=-1)  # [B, (L+1)*D]
+    parts = [pool_layer(t, pooling) for t in chosen]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def pooled_dim(pooling: Pooling, dim: int, num_layers: int) -> int:
+    """Width of the pooled feature (per patch for ``patch``)."""
+    per_layer = {"cls_mean": 2 * dim}.get(pooling, dim)
+    if pooling == "pooler":
+        return dim
+    if pooling == "linear_eval":
+        return (num_layers + 1) * dim
+    return per_layer * num_layers
