@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backbone import Backbone, BackboneInfo, EmbedDefaults, load_backbone
+    from .backbone import Backbone, BackboneInfo, EmbedDefaults, EmbedResult, load_backbone
     from .errors import (
         ImageDecodeError,
         InvalidOptionError,
@@ -29,6 +29,7 @@ _EXPORTS = {
     "Backbone": "backbone",
     "BackboneInfo": "backbone",
     "EmbedDefaults": "backbone",
+    "EmbedResult": "backbone",
     "load_backbone": "backbone",
     "Features": "features",
     "LayerTokens": "features",

@@ -40,6 +40,23 @@ class EmbedDefaults:
 
 
 @dataclass(frozen=True)
+class EmbedResult:
+    """Vectors plus everything needed to know what they mean and to reproduce them."""
+
+    vectors: np.ndarray  # [B, F] float32, or [B, h, w, F] for pooling="patch"
+    grids: list[tuple[int, int]]  # effective patch grid per input image
+    model: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: list[int] | None  # 0-based block indices; None = last block
+    policy: str
+    size: tuple[int, int] | None
+    normalized: bool
+    interpolation: str
+
+
+@dataclass(frozen=True)
 class BackboneInfo:
     name: str
     revision: str
@@ -52,6 +69,7 @@ class BackboneInfo:
     patch_size: tuple[int, int]
     native_grid: tuple[int, int]
     native_size: tuple[int, int]
+    processing_grid: tuple[int, int]  # the grid of the checkpoint's own preprocessing (dynamic's default budget)
     prefix_tokens: int
     has_cls: bool
     registers: int
@@ -100,7 +118,11 @@ class Backbone:
         self.defaults = defaults or EmbedDefaults(pooling="pooler" if not spec.has_cls else "cls")
         self.autocast = autocast
         self.preprocess_config = preprocess
-        self.preprocessor = Preprocessor(preprocess, self.patch_size, self.native_grid)
+        # `dynamic`'s default token budget is the grid the checkpoint is *used* at (its processor's output,
+        # e.g. 224 px = 16x16 for DINOv2), not its position table (518 px = 37x37): 5x fewer FLOPs.
+        box_h, box_w = preprocess.default_box
+        self.processing_grid = (max(1, box_h // self.patch_size[0]), max(1, box_w // self.patch_size[1]))
+        self.preprocessor = Preprocessor(preprocess, self.patch_size, self.processing_grid)
         self._final_norm: torch.nn.Module = _get_attr(model, spec.final_norm)
         self._positions: PositionTableCache | None = None
         if spec.pos_embed == "learned":
@@ -281,6 +303,44 @@ class Backbone:
             prepared, pooling=pooling, layers=layers, normalize=normalize, batch_size=batch_size
         )
 
+    def embed_result(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        pooling: Pooling | None = None,
+        layers: LayersArg = None,
+        size: tuple[int, int] | None = None,
+        policy: ResizePolicy | None = None,
+        normalize: bool = False,
+        batch_size: int = 8,
+        draft: bool = True,
+    ) -> EmbedResult:
+        """``embed`` with the effective grid of every image and the provenance of the vectors."""
+        chosen_policy = self.check_policy(policy)
+        chosen_pooling = check_pooling(pooling or self.defaults.pooling)
+        chosen_layers = self.resolve_layers(layers if layers is not None else self.defaults.layers)
+        prepared = self.prepare(images, size=size, policy=chosen_policy, draft=draft)
+        vectors = self.embed_prepared(
+            prepared, pooling=chosen_pooling, layers=chosen_layers, normalize=normalize, batch_size=batch_size
+        )
+        return EmbedResult(
+            vectors=vectors,
+            grids=[p.grid for p in prepared],
+            model=self.checkpoint.name,
+            revision=self.checkpoint.revision,
+            preprocess_hash=self.preprocess_config.hash(),
+            pooling=chosen_pooling,
+            layers=chosen_layers,
+            policy=chosen_policy,
+            size=size,
+            normalized=normalize,
+            interpolation=self.info_interpolation,
+        )
+
+    @property
+    def info_interpolation(self) -> str:
+        return self.interpolation if self.spec.pos_embed == "learned" else "rope"
+
     def output_dim(self, pooling: Pooling, layers: list[int] | None) -> int:
         return pooled_dim(pooling, self.dim, 1 if layers is None else len(layers))
 
@@ -299,11 +359,12 @@ class Backbone:
             patch_size=self.patch_size,
             native_grid=self.native_grid,
             native_size=native,
+            processing_grid=self.processing_grid,
             prefix_tokens=self.prefix_tokens,
             has_cls=self.spec.has_cls,
             registers=self.num_registers,
             pos_embed=self.spec.pos_embed,
-            interpolation=self.interpolation if self.spec.pos_embed == "learned" else "rope",
+            interpolation=self.info_interpolation,
             resample=self.resample if self.spec.pos_embed == "learned" else "none",
             final_norm=self.spec.final_norm,
             pooler=self.spec.pooler,

@@ -193,3 +193,47 @@ def test_info_states_the_facts(backbones: dict[str, Backbone], tiny_checkpoints:
     assert backbones["siglip"].info().prefix_tokens == 0
     assert backbones["dinov2"].info().resample == "bicubic"
     assert info.to_dict()["preprocess_hash"] == info.preprocess_hash
+
+
+def _jpeg(width: int, height: int, seed: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    array = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8)
+    image = Image.fromarray(array).resize((width, height), Image.Resampling.BILINEAR)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def test_embed_from_bytes_keeps_input_order_across_grids(backbones: dict[str, Backbone]) -> None:
+    bb = backbones["dinov2"]
+    images = [_jpeg(320, 160, 0), _jpeg(200, 200, 1), _jpeg(160, 320, 2), _jpeg(330, 170, 3)]
+    result = bb.embed_result(images, pooling="mean", policy="dynamic", batch_size=2)
+    # dynamic keeps the aspect ratio within the processor's 4x4 = 16-token budget
+    assert result.grids == [(3, 5), (4, 4), (5, 3), (3, 5)]
+    assert (result.pooling, result.policy, result.layers, result.normalized) == ("mean", "dynamic", None, False)
+    assert result.preprocess_hash == bb.info().preprocess_hash and result.revision == bb.info().revision
+    for index, image in enumerate(images):  # one at a time: the same vector whatever the batch
+        alone = bb.embed([image], pooling="mean", policy="dynamic")
+        np.testing.assert_allclose(result.vectors[index], alone[0], atol=1e-5)
+    with pytest.raises(InvalidOptionError, match="different grids"):
+        bb.embed(images, pooling="patch", policy="dynamic")
+    assert bb.embed(images, pooling="patch", policy="squash").shape == (4, 4, 4, 32)
+
+
+def test_embed_equals_features_of_the_prepared_batch(backbones: dict[str, Backbone]) -> None:
+    from vit_backbone.preprocess import stack
+
+    bb = backbones["clip"]
+    images = [_jpeg(300, 200, 4), _jpeg(120, 180, 5)]
+    pixel_values, grid = stack(bb.prepare(images, policy="crop", draft=False))
+    assert grid == (4, 4) and pixel_values.shape == (2, 3, 64, 64)
+    feats = bb.features(pixel_values, layers=[0])
+    assert feats.cls is not None
+    np.testing.assert_allclose(bb.embed(images, pooling="cls", draft=False), feats.cls.numpy(), atol=1e-6)
+    np.testing.assert_allclose(
+        bb.embed(images, pooling="cls", layers=0, draft=False), feats.layers[0].cls.numpy(), atol=1e-6  # type: ignore[union-attr]
+    )
