@@ -21,18 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vit_backbone.costs import (
+from vit_backbone.architectures import (
     STANDARD_ARCHS,
     Arch,
-    CostReport,
     arch_from_hf_config,
-    cost_report,
-    cost_reports,
     count_params,
     count_params_from_safetensors,
-    format_cost_table,
-    standard_sizes,
 )
+from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cost_table, standard_sizes
 from vit_backbone.errors import ModelNotFoundError, UnsupportedModelError, VitEmbedError
 
 PROG = "vitembed"
@@ -149,7 +145,7 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def _describe(target: _Target) -> str:
+def _describe(target: _Target, requested: CostReport) -> str:
     arch = target.arch
     if target.path is None:
         title = f"{target.name}  (standard architecture: analytic counts, no weights)"
@@ -169,6 +165,11 @@ def _describe(target: _Target) -> str:
     rows = [
         ("family", arch.family),
         ("patch", f"{arch.patch[0]}x{arch.patch[1]} x {arch.channels} channels"),
+        (
+            "raw patch dim",  # P_h·P_w·C values per patch, linearly projected to the width D
+            f"{requested.patch_dim} ({arch.patch[0]}x{arch.patch[1]}x{arch.channels}) "
+            f"-> projected to D={requested.dim}",
+        ),
         ("width D", str(arch.dim)),
         ("depth", str(arch.depth)),
         ("heads", f"{arch.heads} (head dim {arch.head_dim})"),
@@ -209,7 +210,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_inspect_json(target, requested, reports), indent=2))
     else:
-        print(_describe(target))
+        print(_describe(target, requested))
         print()
         print(format_cost_table(reports, target.name, requested=size))
     return 0

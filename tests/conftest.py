@@ -64,7 +64,9 @@ def make_tiny_checkpoint(family: str, folder: Path, *, seed: int = 0) -> Path:
         text = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
         vision = {**TINY, "patch_size": 16, "image_size": 64}
         model = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-        processor = tf.CLIPImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+        processor = tf.CLIPImageProcessorPil(
+            size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
+        )
     elif family == "siglip":
         model = tf.SiglipVisionModel(tf.SiglipVisionConfig(**TINY, patch_size=16, image_size=64))
         processor = tf.SiglipImageProcessorPil(size={"height": 64, "width": 64})

@@ -45,7 +45,25 @@ _EXPORTS = {
     "VitEmbedError": "errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Backbone",
+    "BackboneInfo",
+    "EmbedDefaults",
+    "EmbedResult",
+    "Features",
+    "ImageDecodeError",
+    "InvalidOptionError",
+    "LayerTokens",
+    "MissingExtraError",
+    "ModelNotFoundError",
+    "POOLINGS",
+    "Pooling",
+    "SizeError",
+    "UnsafeCheckpointError",
+    "UnsupportedModelError",
+    "VitEmbedError",
+    "load_backbone",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,10 +19,16 @@ from PIL import Image
 
 from .errors import InvalidOptionError, SizeError
 from .features import Features, LayerTokens
-from .loading import ResolvedCheckpoint, instantiate_model, load_spec, read_processor_config, resolve_checkpoint
+from .loading import (
+    ResolvedCheckpoint,
+    instantiate_model,
+    load_spec,
+    read_processor_config,
+    resolve_checkpoint,
+)
 from .pooling import Pooling, check_pooling, pool, pooled_dim
 from .pos_embed import PositionTableCache
-from .preprocess import PreprocessConfig, Prepared, Preprocessor, ResizePolicy, stack
+from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack
 from .specs import FamilySpec, InterpolationRule, ResampleMethod
 
 ImageInput = Image.Image | bytes
@@ -69,7 +75,9 @@ class BackboneInfo:
     patch_size: tuple[int, int]
     native_grid: tuple[int, int]
     native_size: tuple[int, int]
-    processing_grid: tuple[int, int]  # the grid of the checkpoint's own preprocessing (dynamic's default budget)
+    processing_grid: tuple[
+        int, int
+    ]  # the grid of the checkpoint's own preprocessing (dynamic's default budget)
     prefix_tokens: int
     has_cls: bool
     registers: int
@@ -412,7 +420,7 @@ def load_backbone(
     cache_dir: Path | None = None,
     autocast: torch.dtype | None = None,
 ) -> Backbone:
-    """Load a ViT-family backbone: a local HF checkpoint folder, a hub id (local cache first), or ``embedded``."""
+    """Load a ViT-family backbone: a local HF checkpoint folder, a hub id (local cache first) or ``embedded``."""
     checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
     spec, config = load_spec(checkpoint.path)
     spec.resample_method(interpolation)  # validate before paying for the weights

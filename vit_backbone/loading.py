@@ -50,7 +50,9 @@ def resolve_checkpoint(
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a folder but has no config.json: not a Hugging Face checkpoint")
+            raise ModelNotFoundError(
+                f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
+            )
         return ResolvedCheckpoint(path.resolve(), path.resolve().name, _local_revision(path), "local")
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
         raise ModelNotFoundError(f"{text} is not a checkpoint folder (expected a folder with config.json)")
@@ -132,7 +134,8 @@ def check_weights_safe(folder: Path, *, allow_pickle: bool) -> bool:
     pickles = [p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES]
     if pickles and not allow_pickle:
         raise UnsafeCheckpointError(
-            f"{folder} holds only pickle weights ({', '.join(sorted(pickles))}); pickle can run code on load. "
+            f"{folder} holds only pickle weights ({', '.join(sorted(pickles))}); "
+            f"pickle can run code on load. "
             f"Convert them to safetensors, or pass allow_pickle=True if you trust the file."
         )
     if not pickles:

@@ -1,4 +1,4 @@
-"""Poolings: how token sets become one feature per image. Each is a distinct feature; none is mixed in silently.
+"""Poolings: how token sets become one feature per image. Each is a distinct feature, never mixed silently.
 
 - ``cls``: the CLS token after the final norm.
 - ``pooler``: the model's own pooler_output (ViT's Dense+tanh, SigLIP's attention pooling); last block only.
@@ -72,7 +72,9 @@ def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> 
     """Pool ``features`` whose ``layers`` already hold every requested block (None = last block)."""
     if pooling == "pooler":
         if layers is not None:
-            raise InvalidOptionError("pooling='pooler' is the model's own head on the last block; drop `layers`")
+            raise InvalidOptionError(
+                "pooling='pooler' is the model's own head on the last block; drop `layers`"
+            )
         if features.pooler is None:
             raise InvalidOptionError("this checkpoint has no pooler weights; use pooling='cls'")
         return features.pooler

@@ -229,5 +229,10 @@ def family_for(config: Mapping[str, Any]) -> FamilySpec:
     known = ", ".join(t for spec in FAMILIES for t in spec.model_types)
     hint = ""
     if model_type == "siglip2":
-        hint = " (SigLIP2 NaFlex checkpoints are not supported; fixed-resolution SigLIP2 checkpoints use 'siglip')"
-    raise UnsupportedModelError(f"model_type {model_type!r} is not a supported ViT family{hint}; supported: {known}")
+        hint = (
+            " (SigLIP2 NaFlex checkpoints are not supported; "
+            "fixed-resolution SigLIP2 checkpoints use model_type 'siglip')"
+        )
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} is not a supported ViT family{hint}; supported: {known}"
+    )

@@ -66,6 +66,9 @@ def test_inspect_standard_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert requested["grid"] == [14, 14]
     assert requested["tokens"] == 196
     assert requested["seq_len"] == 197
+    assert requested["patch_dim"] == 16 * 16 * 3  # raw values per patch, before the projection to D
+    assert requested["dim"] == 768
+    assert all(r["patch_dim"] == 768 for r in data["reports"])
     assert requested["params"] == pytest.approx(86e6, rel=0.02)
     assert requested["gflops"] == pytest.approx(35.13, abs=0.01)
     assert requested["native"] is True
@@ -92,6 +95,7 @@ def test_inspect_standard_text(capsys: pytest.CaptureFixture[str]) -> None:
     for needle in ("dinov2-s14", "family", "dinov2", "14x14", "384", "prefix tokens", "37x37", "learned"):
         assert needle in out
     assert "22,056,576" in out
+    assert "raw patch dim  588 (14x14x3) -> projected to D=384" in out
     native_row = next(line for line in out.splitlines() if line.split()[1:2] == ["518x518"])
     assert native_row.startswith("*n")  # requested by default = native
     assert "1,369" in native_row
@@ -128,6 +132,7 @@ def test_inspect_checkpoint_folder(
     assert data["arch"]["native_grid"] == [4, 4]
     requested = data["requested"]
     assert (requested["height"], requested["width"], requested["tokens"]) == (56, 56, 16)
+    assert requested["patch_dim"] == 14 * 14 * 3
     assert requested["params"] == numel
 
     data = run_json(capsys, str(folder), "--size", "112", "84")
@@ -137,6 +142,7 @@ def test_inspect_checkpoint_folder(
     assert main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "dinov2" in out and f"{numel:,}" in out and "safetensors" in out
+    assert "raw patch dim  588 (14x14x3) -> projected to D=32" in out
 
 
 def test_inspect_full_clip_counts_the_vision_tower(

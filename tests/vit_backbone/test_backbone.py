@@ -154,7 +154,7 @@ def test_poolings_exclude_prefix_tokens_and_concatenate_layers(
 def test_siglip_has_no_cls_and_says_what_to_use(backbones: dict[str, Backbone]) -> None:
     bb = backbones["siglip"]
     prepared = [_prep(bb, torch.randn(3, 64, 64))]
-    with pytest.raises(InvalidOptionError, match="needs a CLS token.*pooling=.pooler."):
+    with pytest.raises(InvalidOptionError, match=r"needs a CLS token.*pooling=.pooler."):
         bb.embed_prepared(prepared, pooling="cls")
     assert bb.defaults.pooling == "pooler"
     assert bb.embed_prepared(prepared).shape == (1, bb.dim)
@@ -162,7 +162,9 @@ def test_siglip_has_no_cls_and_says_what_to_use(backbones: dict[str, Backbone]) 
 
 def test_non_multiple_pixel_size_is_refused_not_cropped(backbones: dict[str, Backbone]) -> None:
     bb = backbones["dinov2"]
-    with pytest.raises(SizeError, match=r"not a positive multiple of the patch 14x14.*Nearest multiples: 56 or 70x56"):
+    with pytest.raises(
+        SizeError, match=r"not a positive multiple of the patch 14x14.*Nearest multiples: 56 or 70x56"
+    ):
         bb.features(torch.randn(1, 3, 60, 56))
 
 
@@ -214,7 +216,12 @@ def test_embed_from_bytes_keeps_input_order_across_grids(backbones: dict[str, Ba
     result = bb.embed_result(images, pooling="mean", policy="dynamic", batch_size=2)
     # dynamic keeps the aspect ratio within the processor's 4x4 = 16-token budget
     assert result.grids == [(3, 5), (4, 4), (5, 3), (3, 5)]
-    assert (result.pooling, result.policy, result.layers, result.normalized) == ("mean", "dynamic", None, False)
+    assert (result.pooling, result.policy, result.layers, result.normalized) == (
+        "mean",
+        "dynamic",
+        None,
+        False,
+    )
     assert result.preprocess_hash == bb.info().preprocess_hash and result.revision == bb.info().revision
     for index, image in enumerate(images):  # one at a time: the same vector whatever the batch
         alone = bb.embed([image], pooling="mean", policy="dynamic")
@@ -235,5 +242,7 @@ def test_embed_equals_features_of_the_prepared_batch(backbones: dict[str, Backbo
     assert feats.cls is not None
     np.testing.assert_allclose(bb.embed(images, pooling="cls", draft=False), feats.cls.numpy(), atol=1e-6)
     np.testing.assert_allclose(
-        bb.embed(images, pooling="cls", layers=0, draft=False), feats.layers[0].cls.numpy(), atol=1e-6  # type: ignore[union-attr]
+        bb.embed(images, pooling="cls", layers=0, draft=False),
+        feats.layers[0].cls.numpy(),
+        atol=1e-6,  # type: ignore[union-attr]
     )

@@ -23,7 +23,9 @@ def dinov2_reference_interpolation(pos_embed: torch.Tensor, h: int, w: int, patc
     dim = pos_embed.shape[-1]
     rows, cols = h // patch, w // patch
     grid = pos_embed[:, 1:].float().reshape(1, m, m, dim).permute(0, 3, 1, 2)
-    out = F.interpolate(grid, scale_factor=((rows + 0.1) / m, (cols + 0.1) / m), mode="bicubic", antialias=False)
+    out = F.interpolate(
+        grid, scale_factor=((rows + 0.1) / m, (cols + 0.1) / m), mode="bicubic", antialias=False
+    )
     assert out.shape[-2:] == (rows, cols)
     return torch.cat([pos_embed[:, :1], out.permute(0, 2, 3, 1).reshape(1, -1, dim)], dim=1)
 
@@ -31,9 +33,15 @@ def dinov2_reference_interpolation(pos_embed: torch.Tensor, h: int, w: int, patc
 def test_rules_differ_off_native_and_agree_at_native() -> None:
     torch.manual_seed(0)
     table = torch.randn(1, 37 * 37, 16)
-    same = [resample_patch_table(table, (37, 37), (37, 37), m) for m in ("bicubic", "bicubic_antialias", "bicubic_offset")]
+    same = [
+        resample_patch_table(table, (37, 37), (37, 37), m)
+        for m in ("bicubic", "bicubic_antialias", "bicubic_offset")
+    ]
     assert all(t is table for t in same)
-    a, b, c = (resample_patch_table(table, (37, 37), (16, 16), m) for m in ("bicubic", "bicubic_antialias", "bicubic_offset"))
+    a, b, c = (
+        resample_patch_table(table, (37, 37), (16, 16), m)
+        for m in ("bicubic", "bicubic_antialias", "bicubic_offset")
+    )
     assert a.shape == b.shape == c.shape == (1, 256, 16)
     # the same checkpoint gets measurably different positions from the three stacks
     assert (a - b).abs().max() > 1e-2 and (a - c).abs().max() > 1e-3 and (b - c).abs().max() > 1e-2

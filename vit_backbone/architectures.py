@@ -1,0 +1,563 @@
+"""The shape of a ViT-family vision backbone and its parameter count, before any weights are loaded.
+
+An :class:`Arch` comes from a transformers config or a raw ``config.json`` (:func:`arch_from_hf_config`) or
+from ``STANDARD_ARCHS``; :func:`count_params` counts its parameters analytically, and
+:func:`count_params_from_safetensors` counts a real checkpoint's exactly from its safetensors headers
+alone. Nothing here imports torch or transformers, so the CLI's ``inspect`` stays instant. What an input
+size then costs (tokens, FLOPs, attention) is :mod:`vit_backbone.costs`.
+
+**Parameters** are those of the vision backbone as transformers builds it: patch projection (+ bias),
+CLS / register / mask tokens, the learned position table (rows for the native grid, plus one for CLS when
+there is a CLS), the blocks, the final norm, and the pooler only when ``Arch.has_pooler``: ViT's dense+tanh
+pooler, SigLIP's attention-pooling head. Classifier heads and CLIP's ``visual_projection`` are never
+counted. The ``STANDARD_ARCHS`` ViT entries have ``has_pooler=False`` because the published ViT figures
+(86M / 307M / 632M) are backbone-only (``ViTForImageClassification`` has no pooler either).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import (
+    InvalidOptionError,
+    ModelNotFoundError,
+    UnsafeCheckpointError,
+    UnsupportedModelError,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = [
+    "STANDARD_ARCHS",
+    "Arch",
+    "Family",
+    "MlpKind",
+    "PosEmbedKind",
+    "arch_from_hf_config",
+    "count_params",
+    "count_params_from_safetensors",
+    "read_safetensors_header",
+]
+
+Family = Literal["vit", "dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "siglip"]
+PosEmbedKind = Literal["learned", "rope"]
+MlpKind = Literal["mlp", "swiglu"]
+
+_MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors format itself enforces
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shape of a ViT-family vision backbone: enough to count its parameters and FLOPs exactly.
+
+    ``mlp_dim`` is the hidden width of the MLP; for SwiGLU it is the width of each of the gate/up branches
+    (DINOv2-g: int(2/3·4·D) rounded up to a multiple of 8 = 4096).
+    """
+
+    family: Family
+    patch: tuple[int, int]
+    channels: int
+    dim: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    native_grid: tuple[int, int]
+    pos_embed: PosEmbedKind
+    cls_token: bool = True  # SigLIP has none
+    registers: int = 0
+    mlp_kind: MlpKind = "mlp"
+    layerscale: bool = False
+    has_pooler: bool = False  # ViT: dense+tanh on CLS; SigLIP: attention-pooling head (MAP)
+    pooler_dim: int | None = None  # ViT's pooler_output_size; None means dim
+    mask_token: bool = False  # DINOv2/v3 carry one (unused at inference, but it is a parameter)
+    patch_bias: bool = True  # CLIP's patch convolution has no bias
+    qkv_bias: tuple[bool, bool, bool] = (True, True, True)  # DINOv3 has no key bias
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    pre_norm: bool = False  # CLIP's pre_layrnorm before the first block
+
+    def __post_init__(self) -> None:
+        positive = {
+            "channels": self.channels,
+            "dim": self.dim,
+            "depth": self.depth,
+            "heads": self.heads,
+            "mlp_dim": self.mlp_dim,
+            "patch height": self.patch[0],
+            "patch width": self.patch[1],
+            "native grid height": self.native_grid[0],
+            "native grid width": self.native_grid[1],
+        }
+        for what, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidOptionError(f"architecture {what} must be a positive integer, got {value!r}")
+        if self.dim % self.heads:
+            raise InvalidOptionError(f"width {self.dim} is not divisible by {self.heads} heads")
+        if self.registers < 0:
+            raise InvalidOptionError(f"registers must be >= 0, got {self.registers}")
+        if self.has_pooler and self.family not in ("vit", "siglip"):
+            raise InvalidOptionError(f"{self.family} has no pooler; only vit and siglip do")
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens before the patches: CLS (if any) plus registers."""
+        return int(self.cls_token) + self.registers
+
+    @property
+    def native_size(self) -> tuple[int, int]:
+        """The configured image size (what a learned position table was trained for), in pixels."""
+        return self.native_grid[0] * self.patch[0], self.native_grid[1] * self.patch[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the derived prefix_tokens / native_size included."""
+        out = asdict(self)
+        out["prefix_tokens"] = self.prefix_tokens
+        out["native_size"] = list(self.native_size)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hugging Face configs
+# --------------------------------------------------------------------------------------------------------
+
+# transformers' config defaults per family (config.json files written by older versions omit keys that
+# equal a default, so a raw mapping is read against these). A test checks them against transformers.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "vit": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "qkv_bias": True,
+        "pooler_output_size": None,
+    },
+    "dinov2": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "mlp_ratio": 4,
+        "image_size": 224,
+        "patch_size": 14,
+        "num_channels": 3,
+        "qkv_bias": True,
+        "use_swiglu_ffn": False,
+        "use_mask_token": True,
+    },
+    "dinov2_with_registers": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "mlp_ratio": 4,
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "qkv_bias": True,
+        "use_swiglu_ffn": False,
+        "num_register_tokens": 4,
+    },
+    "dinov3_vit": {
+        "hidden_size": 384,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 6,
+        "intermediate_size": 1536,
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "query_bias": True,
+        "key_bias": False,
+        "value_bias": True,
+        "proj_bias": True,
+        "mlp_bias": True,
+        "use_gated_mlp": False,
+        "num_register_tokens": 0,
+    },
+    "clip": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "image_size": 224,
+        "patch_size": 32,
+        "num_channels": 3,
+    },
+    "siglip": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "vision_use_head": True,
+    },
+}
+
+_MODEL_TYPES: dict[str, Family] = {
+    "vit": "vit",
+    "dinov2": "dinov2",
+    "dinov2_with_registers": "dinov2_with_registers",
+    "dinov3_vit": "dinov3_vit",
+    "clip": "clip",
+    "clip_vision_model": "clip",
+    "siglip": "siglip",
+    "siglip_vision_model": "siglip",
+}
+_DUAL_ENCODERS = ("clip", "siglip")  # model types whose config nests the vision tower in vision_config
+# ViT heads built with add_pooling_layer=False (and, for masked image modeling, a mask token).
+_VIT_WITHOUT_POOLER = ("ViTForImageClassification", "ViTForMaskedImageModeling")
+
+
+def _as_mapping(config: PretrainedConfig | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        raise UnsupportedModelError(
+            f"expected a transformers config or a config.json mapping, got {type(config).__name__}"
+        )
+    result = to_dict()
+    if not isinstance(result, Mapping):
+        raise UnsupportedModelError(f"{type(config).__name__}.to_dict() did not return a mapping")
+    return result
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, list | tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    raise UnsupportedModelError(f"config {what} must be an int or a pair of ints, got {value!r}")
+
+
+def _int(config: Mapping[str, Any], key: str) -> int:
+    value = config[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UnsupportedModelError(f"config {key} must be an integer, got {value!r}")
+    return value
+
+
+def arch_from_hf_config(
+    config: PretrainedConfig | Mapping[str, Any], *, has_pooler: bool | None = None
+) -> Arch:
+    """Read an :class:`Arch` from a transformers config object or a parsed ``config.json``.
+
+    A full CLIP/SigLIP config contributes its ``vision_config``. Whether a ViT checkpoint has its pooler
+    is not in the config (it is a constructor argument); it is inferred from ``architectures``
+    (``ViTModel`` or none: yes; ``ViTForImageClassification`` / ``ViTForMaskedImageModeling``: no), and
+    ``has_pooler`` overrides that inference.
+    """
+    outer = _as_mapping(config)
+    model_type = outer.get("model_type")
+    family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        supported = ", ".join(sorted(_MODEL_TYPES))
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported for costs (supported: {supported})"
+        )
+    raw = outer
+    if model_type in _DUAL_ENCODERS:
+        vision = outer.get("vision_config") or {}
+        raw = _as_mapping(vision)
+    cfg: dict[str, Any] = {**_DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None}}
+    architectures = outer.get("architectures") or ()
+
+    patch = _pair(cfg["patch_size"], "patch_size")
+    image = _pair(cfg["image_size"], "image_size")
+    dim = _int(cfg, "hidden_size")
+    common: dict[str, Any] = {
+        "family": family,
+        "patch": patch,
+        "channels": _int(cfg, "num_channels"),
+        "dim": dim,
+        "depth": _int(cfg, "num_hidden_layers"),
+        "heads": _int(cfg, "num_attention_heads"),
+        "native_grid": (image[0] // patch[0], image[1] // patch[1]),
+    }
+    if family == "vit":
+        pooler = has_pooler
+        if pooler is None:
+            pooler = not any(name in _VIT_WITHOUT_POOLER for name in architectures)
+        pooler_dim = cfg.get("pooler_output_size")
+        return Arch(
+            **common,
+            mlp_dim=_int(cfg, "intermediate_size"),
+            pos_embed="learned",
+            has_pooler=pooler,
+            pooler_dim=pooler_dim if pooler_dim != dim else None,
+            mask_token="ViTForMaskedImageModeling" in architectures,
+            qkv_bias=(bool(cfg["qkv_bias"]),) * 3,
+        )
+    if family in ("dinov2", "dinov2_with_registers"):
+        _no_pooler(family, has_pooler)
+        ratio = cfg["mlp_ratio"]
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or ratio <= 0:
+            raise UnsupportedModelError(f"config mlp_ratio must be a positive number, got {ratio!r}")
+        hidden = int(dim * ratio)
+        swiglu = bool(cfg["use_swiglu_ffn"])
+        if swiglu:  # transformers' Dinov2SwiGLUFFN: 2/3 of the MLP width, rounded up to a multiple of 8
+            hidden = (int(hidden * 2 / 3) + 7) // 8 * 8
+        registered = family == "dinov2_with_registers"
+        return Arch(
+            **common,
+            mlp_dim=hidden,
+            pos_embed="learned",
+            registers=_int(cfg, "num_register_tokens") if registered else 0,
+            mlp_kind="swiglu" if swiglu else "mlp",
+            layerscale=True,
+            mask_token=registered or bool(cfg.get("use_mask_token", True)),
+            qkv_bias=(bool(cfg["qkv_bias"]),) * 3,
+        )
+    if family == "dinov3_vit":
+        _no_pooler(family, has_pooler)
+        return Arch(
+            **common,
+            mlp_dim=_int(cfg, "intermediate_size"),
+            pos_embed="rope",
+            registers=_int(cfg, "num_register_tokens"),
+            mlp_kind="swiglu" if cfg["use_gated_mlp"] else "mlp",
+            layerscale=True,
+            mask_token=True,
+            qkv_bias=(bool(cfg["query_bias"]), bool(cfg["key_bias"]), bool(cfg["value_bias"])),
+            proj_bias=bool(cfg["proj_bias"]),
+            mlp_bias=bool(cfg["mlp_bias"]),
+        )
+    if family == "clip":
+        _no_pooler(family, has_pooler)
+        return Arch(
+            **common,
+            mlp_dim=_int(cfg, "intermediate_size"),
+            pos_embed="learned",
+            patch_bias=False,
+            pre_norm=True,
+        )
+    # siglip
+    return Arch(
+        **common,
+        mlp_dim=_int(cfg, "intermediate_size"),
+        pos_embed="learned",
+        cls_token=False,
+        has_pooler=bool(cfg["vision_use_head"]) if has_pooler is None else has_pooler,
+    )
+
+
+def _no_pooler(family: str, has_pooler: bool | None) -> None:
+    if has_pooler:
+        raise InvalidOptionError(f"{family} has no pooler; has_pooler=True applies to vit and siglip only")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------------------
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool = True) -> int:
+    return fan_in * fan_out + (fan_out if bias else 0)
+
+
+def count_params(arch: Arch) -> int:
+    """Analytic parameter count of the vision backbone (see the module docstring for what is included)."""
+    d = arch.dim
+    ln = 2 * d  # a LayerNorm: weight and bias
+    n_native = arch.native_grid[0] * arch.native_grid[1]
+    total = _linear(arch.patch[0] * arch.patch[1] * arch.channels, d, arch.patch_bias)
+    total += (int(arch.cls_token) + arch.registers + int(arch.mask_token)) * d
+    if arch.pos_embed == "learned":
+        total += (n_native + int(arch.cls_token)) * d
+    if arch.pre_norm:
+        total += ln
+
+    q_bias, k_bias, v_bias = arch.qkv_bias
+    block = 2 * ln  # the two pre-norms
+    block += _linear(d, d, q_bias) + _linear(d, d, k_bias) + _linear(d, d, v_bias)
+    block += _linear(d, d, arch.proj_bias)
+    if arch.mlp_kind == "swiglu":
+        block += 2 * _linear(d, arch.mlp_dim, arch.mlp_bias) + _linear(arch.mlp_dim, d, arch.mlp_bias)
+    else:
+        block += _linear(d, arch.mlp_dim, arch.mlp_bias) + _linear(arch.mlp_dim, d, arch.mlp_bias)
+    if arch.layerscale:
+        block += 2 * d
+    total += arch.depth * block
+    total += ln  # final norm (CLIP's post_layernorm)
+    return total + _pooler_params(arch)
+
+
+def _pooler_params(arch: Arch) -> int:
+    if not arch.has_pooler:
+        return 0
+    d = arch.dim
+    if arch.family == "vit":
+        return _linear(d, arch.pooler_dim or d)
+    # SigLIP multihead attention pooling: probe, packed in-proj, out-proj, norm, MLP
+    return d + _linear(d, 3 * d) + _linear(d, d) + 2 * d + _linear(d, arch.mlp_dim) + _linear(arch.mlp_dim, d)
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of one safetensors file (8-byte little-endian length, then JSON); no tensor bytes
+    are read, so this is instant even for multi-GB checkpoints."""
+    file = Path(path)
+    try:
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            size = os.fstat(handle.fileno()).st_size
+            if len(head) != 8:
+                raise UnsafeCheckpointError(f"{file} is not a safetensors file (shorter than 8 bytes)")
+            (length,) = struct.unpack("<Q", head)
+            if length > _MAX_SAFETENSORS_HEADER or 8 + length > size:
+                raise UnsafeCheckpointError(f"{file} has an implausible safetensors header ({length} bytes)")
+            raw = handle.read(length)
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f"{file} does not exist") from exc
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnsafeCheckpointError(f"{file} has a safetensors header that is not JSON") from exc
+    if not isinstance(header, dict):
+        raise UnsafeCheckpointError(f"{file} has a safetensors header that is not a JSON object")
+    return header
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path} is neither a safetensors file nor a checkpoint folder")
+    index = sorted(path.glob("*.safetensors.index.json"))
+    if index:
+        try:
+            weight_map = json.loads(index[0].read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnsafeCheckpointError(f"{index[0]} is not a valid safetensors index") from exc
+        return [path / name for name in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} holds no *.safetensors file")
+    return files
+
+
+def count_params_from_safetensors(path: str | os.PathLike[str], *, prefix: str = "") -> int:
+    """Exact element count of a real checkpoint from its safetensors headers alone.
+
+    ``path`` is a ``.safetensors`` file or a checkpoint folder (sharded folders are read through their
+    index). ``prefix`` keeps only tensors whose names start with it, e.g. ``"vision_model."`` for the vision
+    tower of a full CLIP/SigLIP checkpoint.
+    """
+    total = 0
+    for file in _safetensors_files(Path(path)):
+        for name, info in read_safetensors_header(file).items():
+            if name == "__metadata__" or not name.startswith(prefix):
+                continue
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise UnsafeCheckpointError(f"{file}: tensor {name!r} has no valid shape")
+            total += math.prod(shape)
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------
+# Standard architectures (no weights needed)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _vit(dim: int, depth: int, heads: int, patch: int) -> Arch:
+    # Published ViT counts are backbone-only: no pooler (see the module docstring).
+    return Arch("vit", (patch, patch), 3, dim, depth, heads, 4 * dim, (224 // patch, 224 // patch), "learned")
+
+
+def _dinov2(dim: int, depth: int, heads: int, *, registers: int = 0, swiglu: bool = False) -> Arch:
+    # Native 518 px = 37×37 at /14; giant uses SwiGLU with hidden = int(2/3·4·D) rounded up to 8 (4096).
+    mlp = (int(4 * dim * 2 / 3) + 7) // 8 * 8 if swiglu else 4 * dim
+    return Arch(
+        "dinov2_with_registers" if registers else "dinov2",
+        (14, 14),
+        3,
+        dim,
+        depth,
+        heads,
+        mlp,
+        (37, 37),
+        "learned",
+        registers=registers,
+        mlp_kind="swiglu" if swiglu else "mlp",
+        layerscale=True,
+        mask_token=True,
+    )
+
+
+def _dinov3(dim: int, depth: int, heads: int) -> Arch:
+    # As the facebook/dinov3-vit*16-pretrain-lvd1689m configs: RoPE, 4 registers, no key bias, image_size 224.
+    return Arch(
+        "dinov3_vit",
+        (16, 16),
+        3,
+        dim,
+        depth,
+        heads,
+        4 * dim,
+        (14, 14),
+        "rope",
+        registers=4,
+        layerscale=True,
+        mask_token=True,
+        qkv_bias=(True, False, True),
+    )
+
+
+def _clip(dim: int, depth: int, heads: int, patch: int) -> Arch:
+    return Arch(
+        "clip",
+        (patch, patch),
+        3,
+        dim,
+        depth,
+        heads,
+        4 * dim,
+        (224 // patch, 224 // patch),
+        "learned",
+        patch_bias=False,
+        pre_norm=True,
+    )
+
+
+STANDARD_ARCHS: dict[str, Arch] = {
+    "vit-s16": _vit(384, 12, 6, 16),
+    "vit-b16": _vit(768, 12, 12, 16),
+    "vit-b32": _vit(768, 12, 12, 32),
+    "vit-l16": _vit(1024, 24, 16, 16),
+    "vit-h14": _vit(1280, 32, 16, 14),
+    "dinov2-s14": _dinov2(384, 12, 6),
+    "dinov2-b14": _dinov2(768, 12, 12),
+    "dinov2-l14": _dinov2(1024, 24, 16),
+    "dinov2-g14": _dinov2(1536, 40, 24, swiglu=True),
+    "dinov2-s14-reg": _dinov2(384, 12, 6, registers=4),
+    "dinov2-b14-reg": _dinov2(768, 12, 12, registers=4),
+    "dinov2-l14-reg": _dinov2(1024, 24, 16, registers=4),
+    "dinov2-g14-reg": _dinov2(1536, 40, 24, registers=4, swiglu=True),
+    "dinov3-s16": _dinov3(384, 12, 6),
+    "dinov3-b16": _dinov3(768, 12, 12),
+    "dinov3-l16": _dinov3(1024, 24, 16),
+    "clip-b16": _clip(768, 12, 12, 16),
+    "clip-b32": _clip(768, 12, 12, 32),
+    "clip-l14": _clip(1024, 24, 16, 14),
+    # SigLIP base/16 at 224: no CLS, the attention-pooling head is part of SiglipVisionModel.
+    "siglip-b16": Arch(
+        "siglip", (16, 16), 3, 768, 12, 12, 3072, (14, 14), "learned", cls_token=False, has_pooler=True
+    ),
+}
