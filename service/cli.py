@@ -26,10 +26,10 @@ from vit_backbone.architectures import (
     Arch,
     arch_from_hf_config,
     count_params,
-    count_params_from_safetensors,
 )
 from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cost_table, standard_sizes
 from vit_backbone.errors import ModelNotFoundError, UnsupportedModelError, VitEmbedError
+from vit_backbone.safetensors_io import count_params_from_safetensors
 
 PROG = "vitembed"
 EXIT_USAGE = 2  # bad arguments, unknown model, invalid size: the user's input, not a crash

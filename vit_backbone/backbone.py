@@ -420,7 +420,7 @@ def load_backbone(
     cache_dir: Path | None = None,
     autocast: torch.dtype | None = None,
 ) -> Backbone:
-    """Load a ViT-family backbone: a local HF checkpoint folder, a hub id (local cache first) or ``embedded``."""
+    """Load a ViT-family backbone from a local HF folder, a hub id (local cache first) or `embedded`."""
     checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
     spec, config = load_spec(checkpoint.path)
     spec.resample_method(interpolation)  # validate before paying for the weights

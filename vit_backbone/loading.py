@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import transformers
 
 from .errors import ModelNotFoundError, UnsafeCheckpointError
+from .safetensors_io import read_safetensors_header
 from .specs import FamilySpec, family_for
 
 log = logging.getLogger(__name__)
@@ -94,19 +94,8 @@ def _local_revision(path: Path) -> str:
     for weights in sorted(path.glob("*.safetensors")):
         stat = weights.stat()
         digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        digest.update(_safetensors_header(weights))
+        digest.update(json.dumps(read_safetensors_header(weights), sort_keys=True).encode())
     return "local-" + digest.hexdigest()[:12]
-
-
-def _safetensors_header(path: Path) -> bytes:
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        if len(head) != 8:
-            raise UnsafeCheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100_000_000:
-            raise UnsafeCheckpointError(f"{path} has an implausible safetensors header ({length} bytes)")
-        return handle.read(length)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -145,7 +134,7 @@ def check_weights_safe(folder: Path, *, allow_pickle: bool) -> bool:
 
 def _has_tensor_prefix(folder: Path, prefix: str) -> bool:
     for weights in folder.glob("*.safetensors"):
-        header = json.loads(_safetensors_header(weights))
+        header = read_safetensors_header(weights)
         if any(key.startswith(prefix) or f".{prefix}" in key for key in header):
             return True
     return False

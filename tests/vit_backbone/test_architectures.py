@@ -16,8 +16,6 @@ from vit_backbone.architectures import (
     Arch,
     arch_from_hf_config,
     count_params,
-    count_params_from_safetensors,
-    read_safetensors_header,
 )
 from vit_backbone.errors import (
     InvalidOptionError,
@@ -25,6 +23,7 @@ from vit_backbone.errors import (
     UnsafeCheckpointError,
     UnsupportedModelError,
 )
+from vit_backbone.safetensors_io import count_params_from_safetensors, read_safetensors_header
 
 TINY: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
 
