@@ -202,15 +202,59 @@ def _inspect_json(target: _Target, requested: CostReport, reports: Sequence[Cost
     }
 
 
+def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
+    """How the library will use this checkpoint (read from its files; no weights loaded): the resampling
+    rule, the preprocessing and its hash, the embed defaults, and the size its own processor produces."""
+    from vit_backbone.loading import load_spec, read_processor_config
+    from vit_backbone.preprocess import PreprocessConfig
+
+    spec, _ = load_spec(folder)
+    processor = read_processor_config(folder)
+    config = PreprocessConfig.from_processor_dict(processor or spec.default_processor)
+    meta_file = folder / "vitembed.json"
+    defaults = json.loads(meta_file.read_text()).get("defaults", {}) if meta_file.is_file() else {}
+    resize = (
+        f"shortest edge {config.shortest_edge}"
+        if config.shortest_edge
+        else f"{config.default_box[0]}x{config.default_box[1]}"
+    )
+    crop = f" -> center crop {config.crop_size[0]}x{config.crop_size[1]}" if config.crop_size else ""
+    rule = "none (rotary positions)" if spec.pos_embed == "rope" else spec.resample_method("transformers")
+    facts = [
+        ("interpolation", f"transformers -> {rule} (also: reference, antialias)"),
+        ("final norm", spec.final_norm),
+        (
+            "preprocess",
+            f"{resize}{crop}, resample {config.resample}, mean {list(config.image_mean)}, "
+            f"std {list(config.image_std)}"
+            + ("" if processor else " (family default: no preprocessor_config)"),
+        ),
+        ("preprocess #", config.hash()),
+        (
+            "defaults",
+            f"pooling={defaults.get('pooling', 'cls' if spec.has_cls else 'pooler')}, "
+            f"layers={defaults.get('layers')}, policy={defaults.get('policy', 'crop')}",
+        ),
+    ]
+    return facts, config.default_box
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     target = _inspect_target(args.model)
-    size = (args.size[0], args.size[1]) if args.size else target.arch.native_size
+    facts: list[tuple[str, str]] = []
+    default_size = target.arch.native_size
+    if target.path is not None:
+        facts, default_size = _usage_facts(target.path)
+    size = (args.size[0], args.size[1]) if args.size else default_size
     requested = cost_report(target.arch, size[0], size[1], params=target.params)  # validates the size
     reports = cost_reports(target.arch, standard_sizes(target.arch, include=size), params=target.params)
     if args.json:
-        print(json.dumps(_inspect_json(target, requested, reports), indent=2))
+        print(json.dumps({**_inspect_json(target, requested, reports), "usage": dict(facts)}, indent=2))
     else:
         print(_describe(target, requested))
+        width = max((len(key) for key, _ in facts), default=0)
+        for key, value in facts:
+            print(f"  {key.ljust(max(width, 13))}  {value}")
         print()
         print(format_cost_table(reports, target.name, requested=size))
     return 0

@@ -131,7 +131,10 @@ def test_inspect_checkpoint_folder(
     assert data["arch"]["patch"] == [14, 14]
     assert data["arch"]["native_grid"] == [4, 4]
     requested = data["requested"]
-    assert (requested["height"], requested["width"], requested["tokens"]) == (56, 56, 16)
+    # by default, the size the checkpoint's preprocessing produces (no processor config: DINOv2's 224)
+    assert (requested["height"], requested["width"], requested["tokens"]) == (224, 224, 256)
+    assert data["usage"]["interpolation"].startswith("transformers -> bicubic")
+    assert "(family default: no processor config)" in data["usage"]["preprocess"]
     assert requested["patch_dim"] == 14 * 14 * 3
     assert requested["params"] == numel
 
@@ -157,7 +160,7 @@ def test_inspect_full_clip_counts_the_vision_tower(
     data = run_json(capsys, str(tmp_path))
     assert data["params"] == sum(p.numel() for p in model.vision_model.parameters())
     assert data["arch"]["family"] == "clip"
-    assert data["requested"]["tokens"] == 16
+    assert data["requested"]["tokens"] == 196  # CLIP's default processor: 224 px at /16
 
 
 def test_fallback_without_resolve_checkpoint(
