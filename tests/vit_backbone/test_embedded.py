@@ -410,6 +410,11 @@ def test_written_files(embedded_dir: Path) -> None:
         assert not handle.get_tensor("embeddings.mask_token").any()
     assert not any(key.startswith(("decoder", "backbone")) for key in keys)
     assert len(keys) == 5 + 12 * 18 + 2
+    # the hub's canonical DINOv2 names (as in facebook/dinov2-small), whatever transformers is installed
+    for layer in range(12):
+        for module in ("attention.query", "attention.key", "attention.value", "output.dense"):
+            assert f"encoder.layer.{layer}.attention.{module}.weight" in keys
+    assert not any("_proj." in key for key in keys)
 
 
 @pytest.mark.slow
