@@ -226,8 +226,7 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
         (
             "preprocess",
             f"{resize}{crop}, resample {config.resample}, mean {list(config.image_mean)}, "
-            f"std {list(config.image_std)}"
-            + ("" if processor else " (family default: no processor config)"),
+            f"std {list(config.image_std)}" + ("" if processor else " (family default: no processor config)"),
         ),
         ("preprocess #", config.hash()),
         (

@@ -46,6 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "POOLINGS",
     "Backbone",
     "BackboneInfo",
     "EmbedDefaults",
@@ -56,7 +57,6 @@ __all__ = [
     "LayerTokens",
     "MissingExtraError",
     "ModelNotFoundError",
-    "POOLINGS",
     "Pooling",
     "SizeError",
     "UnsafeCheckpointError",

@@ -37,8 +37,9 @@ class InvalidOptionError(VitEmbedError, ValueError):
 
 
 class ImageDecodeError(VitEmbedError, ValueError):
-    """Bytes that are not an acceptable image. ``code`` says which rule they broke:
-    empty, not_an_image, unsupported_format, truncated, zero_size, too_many_pixels, aspect_ratio."""
+    """Bytes that are not an acceptable image. ``code`` says which rule they broke: empty, too_large
+    (more bytes than ``DecodeLimits.max_bytes``), not_an_image, unsupported_format, truncated, zero_size,
+    too_many_pixels, aspect_ratio."""
 
     code = "invalid_image"
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import InvalidOptionError, UnsupportedModelError
+from .preprocess_config import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 
 PosEmbedKind = Literal["learned", "rope"]
 # User-facing resampling rules for learned absolute position tables:
@@ -23,11 +24,6 @@ InterpolationRule = Literal["transformers", "reference", "antialias"]
 # The concrete resampling a rule resolves to for one family.
 ResampleMethod = Literal["bicubic", "bicubic_antialias", "bicubic_offset"]
 PoolerKind = Literal["tanh", "map", "norm_cls"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True)
