@@ -1,0 +1,257 @@
+"""Dynamic batching: concurrent requests share forward passes.
+
+One batcher (and one forward thread) per model. Items wait in per-key queues, the key being everything
+that must be equal inside one forward pass: the patch grid and the output options. A batch closes when it
+holds ``max_batch_size`` items, when the next item would pass the patch-token budget, or when its oldest
+item has waited ``max_wait_s``. Admission is bounded across all models: a full queue is refused at once
+(the caller answers 429) instead of growing latency without bound. Every item's future is completed on
+every path — result, exception, cancellation — so a failing batch can never strand a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vit_backbone.preprocess import Prepared
+
+log = logging.getLogger(__name__)
+
+BatchKey = tuple[tuple[int, int], str, tuple[int, ...] | None, bool]  # grid, pooling, layers, normalize
+
+
+class QueueFullError(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"the queue is full; retry in {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(Exception):
+    pass
+
+
+class CancelledWorkError(Exception):
+    """The request was abandoned (client gone) before its items reached a forward pass."""
+
+
+class RequestTicket:
+    """Shared by all items of one request: cancelling it drops the items still queued."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(eq=False)
+class WorkItem:
+    prepared: Prepared
+    key: BatchKey
+    tokens: int  # sequence length of this item (patches + prefix tokens)
+    ticket: RequestTicket
+    future: Future[np.ndarray] = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class Admission:
+    """A bound on queued images across all models."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self, count: int) -> bool:
+        with self._lock:
+            if self._used + count > self.capacity:
+                return False
+            self._used += count
+            return True
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self._used = max(0, self._used - count)
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+
+RunBatch = Callable[[Sequence[WorkItem]], np.ndarray]  # -> [b, ...] rows in item order
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        name: str,
+        run_batch: RunBatch,
+        *,
+        admission: Admission,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_wait_s: float,
+        on_batch: Callable[[int, float, float], None] | None = None,  # (size, queue_wait_s, forward_s)
+        on_depth: Callable[[int], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0:
+            raise ValueError("max_batch_size and max_batch_tokens must be ≥ 1 and max_wait_s ≥ 0")
+        self.name = name
+        self._run_batch = run_batch
+        self._admission = admission
+        self._max_batch_size = max_batch_size
+        self._max_batch_tokens = max_batch_tokens
+        self._max_wait_s = max_wait_s
+        self._on_batch = on_batch
+        self._on_depth = on_depth
+        self._on_drop = on_drop
+        self._queues: dict[BatchKey, deque[WorkItem]] = {}
+        self._depth = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._busy_s = 0.0  # exponential average of one forward pass, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name=f"forward-{name}", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- producer side
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Queue all items of one request, or none of them."""
+        if not items:
+            return
+        with self._cond:
+            if self._stopping:
+                raise QueueFullError(retry_after_s=1.0)
+            if not self._admission.try_acquire(len(items)):
+                raise QueueFullError(retry_after_s=self.retry_after_s(len(items)))
+            for item in items:
+                self._queues.setdefault(item.key, deque()).append(item)
+            self._depth += len(items)
+            self._report_depth()
+            self._cond.notify()
+
+    def retry_after_s(self, count: int) -> float:
+        """Roughly how long until ``count`` places free up: the queue ahead, in forward passes."""
+        passes = (self._admission.used + count) / self._max_batch_size
+        return max(1.0, passes * max(self._busy_s, 0.05))
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    # ----------------------------------------------------------------- consumer side
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._run(batch)
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        with self._cond:
+            while True:
+                self._drop_dead_items()
+                if self._stopping and self._depth == 0:
+                    return None
+                key = self._oldest_key()
+                if key is None:
+                    self._cond.wait()
+                    continue
+                queue = self._queues[key]
+                limit = self._batch_limit(queue[0].tokens)
+                waited = time.monotonic() - queue[0].enqueued
+                if len(queue) >= limit or waited >= self._max_wait_s or self._stopping:
+                    batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+                    if not queue:
+                        del self._queues[key]
+                    self._depth -= len(batch)
+                    self._report_depth()
+                    return batch
+                self._cond.wait(timeout=self._max_wait_s - waited)
+
+    def _batch_limit(self, tokens_per_item: int) -> int:
+        return max(1, min(self._max_batch_size, self._max_batch_tokens // max(1, tokens_per_item)))
+
+    def _oldest_key(self) -> BatchKey | None:
+        heads = [(queue[0].enqueued, key) for key, queue in self._queues.items() if queue]
+        return min(heads, key=lambda pair: pair[0])[1] if heads else None
+
+    def _drop_dead_items(self) -> None:
+        """Cancelled or expired items never reach a forward pass."""
+        now = time.monotonic()
+        for key in list(self._queues):
+            queue = self._queues[key]
+            alive: deque[WorkItem] = deque()
+            for item in queue:
+                if item.ticket.cancelled:
+                    self._finish_dropped(item, CancelledWorkError("the client went away"), "cancelled")
+                elif now > item.ticket.deadline:
+                    self._finish_dropped(
+                        item, DeadlineExceededError("the request deadline passed"), "deadline"
+                    )
+                else:
+                    alive.append(item)
+            dropped = len(queue) - len(alive)
+            if dropped:
+                self._depth -= dropped
+                self._report_depth()
+            if alive:
+                self._queues[key] = alive
+            else:
+                del self._queues[key]
+
+    def _finish_dropped(self, item: WorkItem, error: Exception, reason: str) -> None:
+        self._admission.release(1)
+        if not item.future.done():
+            item.future.set_exception(error)
+        if self._on_drop is not None:
+            self._on_drop(reason)
+
+    def _run(self, batch: list[WorkItem]) -> None:
+        started = time.monotonic()
+        queue_wait = started - min(item.enqueued for item in batch)
+        try:
+            rows = self._run_batch(batch)
+        except Exception as exc:  # one bad batch fails only its own requests
+            log.exception("forward pass of %d item(s) on %s failed", len(batch), self.name)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+        else:
+            for row, item in zip(rows, batch, strict=True):
+                if not item.future.done():
+                    item.future.set_result(row)
+        finally:
+            self._admission.release(len(batch))
+            elapsed = time.monotonic() - started
+            self._busy_s = elapsed if self._busy_s == 0 else 0.8 * self._busy_s + 0.2 * elapsed
+            if self._on_batch is not None:
+                self._on_batch(len(batch), queue_wait, elapsed)
+
+    def _report_depth(self) -> None:
+        if self._on_depth is not None:
+            self._on_depth(self._depth)
+
+    # ----------------------------------------------------------------- lifecycle
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish what is queued, then end the forward thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

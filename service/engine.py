@@ -1,0 +1,342 @@
+"""The serving engine: served backbones, the decode pool and one dynamic batcher per model.
+
+Data flow of a request: bytes → decode + preprocess (worker pool, in parallel with forward passes) →
+batcher queue → forward thread (features + pooling) → rows back in input order. The engine holds no HTTP
+knowledge; the app maps its exceptions to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vit_backbone import load_backbone
+from vit_backbone.backbone import Backbone
+from vit_backbone.decode import DecodeLimits
+from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
+from vit_backbone.pooling import check_pooling, pool
+from vit_backbone.precision import MIN_COSINE, autocast_dtype, min_cosine, pick_device
+from vit_backbone.preprocess import Prepared, Preprocessor, stack
+
+from .batcher import (
+    Admission,
+    CancelledWorkError,
+    DeadlineExceededError,
+    DynamicBatcher,
+    QueueFullError,
+    RequestTicket,
+    WorkItem,
+)
+from .metrics import Metrics
+from .settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CancelledWorkError",
+    "DeadlineExceededError",
+    "EmbedOptions",
+    "EmbedOutcome",
+    "Engine",
+    "ItemError",
+    "NotReadyError",
+    "QueueFullError",
+    "RequestTicket",
+]
+
+
+class ItemError(Exception):
+    """One image of a request is unusable; ``index`` is its 0-based position."""
+
+    def __init__(self, index: int, error: VitEmbedError) -> None:
+        super().__init__(f"image {index}: {error}")
+        self.index = index
+        self.error = error
+
+
+class NotReadyError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    pooling: str | None = None
+    layers: tuple[int, ...] | None = None
+    size: tuple[int, int] | None = None
+    policy: str | None = None
+    normalize: bool = False
+
+
+@dataclass(frozen=True)
+class EmbedOutcome:
+    vectors: np.ndarray  # [n, F] or [n, h, w, F] float32, input order
+    grids: list[tuple[int, int]]
+    model: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: list[int] | None
+    policy: str
+    normalized: bool
+    interpolation: str
+    precision: str
+
+
+@dataclass
+class _Served:
+    name: str
+    backbone: Backbone
+    preprocessor: Preprocessor
+    batcher: DynamicBatcher
+    precision: str
+
+
+def _warmup_images() -> list[Image.Image]:
+    """Deterministic, textured images of two aspect ratios (no data files needed)."""
+    rng = np.random.default_rng(0)
+    images = []
+    for height, width in ((480, 640), (600, 400), (512, 512), (300, 900)):
+        yy, xx = np.mgrid[0:height, 0:width]
+        base = np.stack(
+            [(xx * 255 // width), (yy * 255 // height), ((xx + yy) * 127 // (height + width))], -1
+        )
+        noise = rng.integers(0, 64, size=(height, width, 3))
+        images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)))
+    return images
+
+
+class Engine:
+    def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.limits = DecodeLimits(
+            max_bytes=settings.max_body_bytes,
+            max_pixels=settings.max_image_pixels,
+            max_aspect_ratio=settings.max_aspect_ratio,
+        )
+        self.admission = Admission(settings.queue_size)
+        self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
+        self._served: dict[str, _Served] = {}
+        self._ready = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Load every model, choose its precision, and run a real forward pass before reporting ready."""
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
+        device = pick_device(self.settings.device)
+        for name, target in self.settings.models.items():
+            started = time.monotonic()
+            backbone = load_backbone(target, device=device, cache_dir=self.settings.cache_dir)
+            precision = self._choose_precision(name, backbone)
+            preprocessor = Preprocessor(
+                backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=self.limits
+            )
+            batcher = DynamicBatcher(
+                name,
+                functools.partial(self._forward, backbone),
+                admission=self.admission,
+                max_batch_size=self.settings.max_batch_size,
+                max_batch_tokens=self.settings.max_batch_tokens,
+                max_wait_s=self.settings.max_wait_ms / 1000,
+                on_batch=functools.partial(self._record_batch, name),
+                on_depth=self.metrics.queue_depth.labels(name).set,
+                on_drop=self._record_drop,
+            )
+            self._served[name] = _Served(name, backbone, preprocessor, batcher, precision)
+            log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision)
+        self._ready = True
+
+    def _choose_precision(self, name: str, backbone: Backbone) -> str:
+        """bfloat16 autocast only if the hardware has it natively, it is faster here, and the embeddings
+        keep cosine ≥ 0.999 to float32 on the warm-up images; otherwise float32."""
+        images = _warmup_images()
+        backbone.autocast = None
+        reference, fp32_s = self._timed_embed(backbone, images)
+        try:
+            dtype = autocast_dtype(self.settings.precision, backbone.device)
+        except ValueError as exc:
+            raise ValueError(f"model {name}: {exc}") from exc
+        if dtype is None:
+            return "float32"
+        backbone.autocast = dtype
+        candidate, low_s = self._timed_embed(backbone, images)
+        cosine = min_cosine(reference, candidate)
+        label = f"{str(dtype).removeprefix('torch.')} autocast"
+        forced = self.settings.precision != "auto"
+        if cosine < MIN_COSINE or (not forced and low_s >= fp32_s):
+            log.warning(
+                "model %s: %s not used (min cosine %.5f, %.3f s vs %.3f s float32)",
+                name,
+                label,
+                cosine,
+                low_s,
+                fp32_s,
+            )
+            backbone.autocast = None
+            return "float32"
+        return f"{label} (min cosine {cosine:.5f} to float32)"
+
+    @staticmethod
+    def _timed_embed(backbone: Backbone, images: list[Image.Image]) -> tuple[np.ndarray, float]:
+        backbone.embed(images[:1], pooling="cls" if backbone.spec.has_cls else "pooler")  # first-call costs
+        started = time.perf_counter()
+        vectors = backbone.embed(
+            images * 2, pooling="cls" if backbone.spec.has_cls else "pooler", batch_size=8
+        )
+        return vectors, time.perf_counter() - started
+
+    def stop(self) -> None:
+        self._ready = False
+        for served in self._served.values():
+            served.batcher.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and all(s.batcher.alive for s in self._served.values())
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def model_names(self) -> list[str]:
+        return list(self._served) or list(self.settings.models)
+
+    def model_infos(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: {**served.backbone.info().to_dict(), "precision": served.precision}
+            for name, served in self._served.items()
+        }
+
+    def _get(self, model: str) -> _Served:
+        if not self._ready:
+            raise NotReadyError("models are still loading")
+        served = self._served.get(model)
+        if served is None:
+            raise ModelNotFoundError(f"model {model!r} is not served; served: {', '.join(self._served)}")
+        return served
+
+    def output_dim(self, model: str, options: EmbedOptions) -> int:
+        served = self._get(model)
+        bb = served.backbone
+        pooling = check_pooling(options.pooling or bb.defaults.pooling)
+        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        return bb.output_dim(pooling, layers)
+
+    # ----------------------------------------------------------------- the request path
+    async def embed(
+        self,
+        model: str,
+        images: Sequence[bytes],
+        options: EmbedOptions,
+        *,
+        ticket: RequestTicket,
+        deadline: float,
+    ) -> EmbedOutcome:
+        served = self._get(model)
+        bb = served.backbone
+        # validate every option before spending any work on the images
+        pooling = check_pooling(options.pooling or bb.defaults.pooling)
+        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        policy = bb.check_policy(options.policy)
+        prepared = await self._prepare_all(served, images, policy, options.size)
+        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize)
+        items = [
+            WorkItem(
+                prepared=p,
+                key=(p.grid, *key_tail),
+                tokens=p.grid[0] * p.grid[1] + bb.prefix_tokens,
+                ticket=ticket,
+            )
+            for p in prepared
+        ]
+        try:
+            served.batcher.submit(items)
+        except QueueFullError:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise
+        try:
+            rows = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(item.future) for item in items)),
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+        except TimeoutError as exc:
+            ticket.cancel()
+            raise DeadlineExceededError(f"no result within {self.settings.request_timeout_s:g} s") from exc
+        except BaseException:
+            ticket.cancel()  # client gone or the task cancelled: drop what is still queued
+            raise
+        self.metrics.images.labels(model).inc(len(items))
+        return EmbedOutcome(
+            vectors=np.stack(rows) if rows else np.zeros((0, bb.output_dim(pooling, layers)), np.float32),
+            grids=[p.grid for p in prepared],
+            model=model,
+            revision=bb.checkpoint.revision,
+            preprocess_hash=bb.preprocess_config.hash(),
+            pooling=pooling,
+            layers=layers,
+            policy=policy,
+            normalized=options.normalize,
+            interpolation=bb.info_interpolation,
+            precision=served.precision,
+        )
+
+    async def _prepare_all(
+        self, served: _Served, images: Sequence[bytes], policy: str, size: tuple[int, int] | None
+    ) -> list[Prepared]:
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.run_in_executor(self._pool, self._prepare_one, served, data, policy, size) for data in images
+        ]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, VitEmbedError):
+                raise ItemError(index, result)
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if isinstance(r, Prepared)]
+
+    def _prepare_one(
+        self, served: _Served, data: bytes, policy: str, size: tuple[int, int] | None
+    ) -> Prepared:
+        started = time.perf_counter()
+        prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
+        tokens = prepared.grid[0] * prepared.grid[1]
+        if tokens > self.settings.max_tokens_per_image:
+            raise SizeError(
+                f"this size gives a {prepared.grid[0]}x{prepared.grid[1]} grid = {tokens} tokens, over the "
+                f"server's limit of {self.settings.max_tokens_per_image} "
+                f"(attention cost grows with tokens²); ask for a smaller size"
+            )
+        self.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - started)
+        return prepared
+
+    # ----------------------------------------------------------------- the forward thread
+    def _forward(self, backbone: Backbone, items: Sequence[WorkItem]) -> np.ndarray:
+        _, pooling, layers, normalize = items[0].key
+        pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
+        if backbone.device.type == "cuda":  # page-locked host memory lets the copy overlap compute
+            pixel_values = pixel_values.pin_memory().to(backbone.device, non_blocking=True)
+        feats = backbone.features(pixel_values, layers=None if layers is None else list(layers))
+        pooled = pool(feats, check_pooling(pooling), None if layers is None else list(layers)).float()
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled.cpu().numpy()
+
+    def _record_drop(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    def _record_batch(self, model: str, size: int, queue_wait: float, forward_s: float) -> None:
+        self.metrics.batch_size.labels(model).observe(size)
+        self.metrics.forward_passes.labels(model).inc()
+        self.metrics.stage_seconds.labels("queue").observe(queue_wait)
+        self.metrics.stage_seconds.labels("forward").observe(forward_s)

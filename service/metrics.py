@@ -1,0 +1,56 @@
+"""Prometheus metrics, one registry per app (tests run several apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+STAGES = ("decode", "queue", "forward", "serialise")
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "vitembed_requests_total",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "vitembed_queue_depth", "images waiting for a forward pass", ["model"], registry=self.registry
+        )
+        self.batch_size = Histogram(
+            "vitembed_batch_size",
+            "images per forward pass",
+            ["model"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
+        self.forward_passes = Counter(
+            "vitembed_forward_passes_total", "forward passes run", ["model"], registry=self.registry
+        )
+        self.images = Counter("vitembed_images_total", "images embedded", ["model"], registry=self.registry)
+        self.stage_seconds = Histogram(
+            "vitembed_stage_seconds",
+            "latency per stage: decode (per image), queue and forward (per batch), serialise (per request)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "vitembed_rejected_total",
+            "work refused or dropped, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

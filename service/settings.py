@@ -1,0 +1,84 @@
+"""The one settings class of the service: CLI flags and ``VITEMBED_*`` environment variables.
+
+Built when the app starts (never at import), validated eagerly, so a bad value stops start-up with a
+message instead of failing on the first request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VITEMBED_", extra="forbid", frozen=True)
+
+    # name -> local folder, hub id or "embedded"; env: VITEMBED_MODELS='{"embedded": "embedded"}'
+    models: dict[str, str] = Field(default_factory=lambda: {"embedded": "embedded"})
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    cache_dir: Path | None = None  # where the embedded checkpoint is converted; default ~/.cache/vitembed
+
+    # batching
+    max_batch_size: int = Field(8, ge=1, le=1024)  # 8 beats 32 on a 2-core CPU (cache), see README
+    max_batch_tokens: int = Field(8 * 1370, ge=1)  # patch tokens (with prefix) per forward pass
+    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    queue_size: int = Field(256, ge=1)  # images waiting for a forward pass, all models together
+    decode_workers: int = Field(2, ge=1, le=64)
+    request_timeout_s: float = Field(30.0, gt=0)
+
+    # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
+    # kept only if warm-up embeddings stay within cosine 0.999 of float32
+    device: str = "cpu"
+    precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    torch_threads: int | None = Field(None, ge=1)
+
+    # limits
+    max_body_bytes: int = Field(32 * MiB, ge=1024)
+    max_images_per_request: int = Field(64, ge=1)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    max_aspect_ratio: float = Field(20.0, ge=1.0)
+    max_tokens_per_image: int = Field(4096, ge=1)  # refuse sizes whose grid exceeds this (cost ~ tokens²)
+
+    api_key: str | None = None  # bearer token for /v1/*; None = no auth
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("models")
+    @classmethod
+    def _models_not_empty(cls, value: dict[str, str]) -> dict[str, str]:
+        if not value:
+            raise ValueError("serve at least one model (--model NAME=PATH_OR_ID)")
+        for name in value:
+            if not name or "/" in name or name.strip() != name:
+                raise ValueError(f"model name {name!r} must be non-empty, without '/' or surrounding spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _batch_fits_queue(self) -> ServiceSettings:
+        if self.max_images_per_request > self.queue_size:
+            raise ValueError(
+                f"max_images_per_request ({self.max_images_per_request}) exceeds queue_size "
+                f"({self.queue_size}): such a request could never be admitted"
+            )
+        return self
+
+
+def parse_model_args(values: list[str]) -> dict[str, str]:
+    """``--model NAME=PATH_OR_ID`` (repeatable); a bare ``PATH`` is named after its folder."""
+    models: dict[str, str] = {}
+    for value in values:
+        name, sep, target = value.partition("=")
+        if not sep:
+            target = value
+            name = Path(value.rstrip("/")).name or value
+        if not name or not target:
+            raise ValueError(f"--model {value!r}: expected NAME=PATH_OR_ID or PATH")
+        if name in models:
+            raise ValueError(f"--model: the name {name!r} is given twice")
+        models[name] = target
+    return models
