@@ -31,6 +31,8 @@ from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cos
 from vit_backbone.errors import ModelNotFoundError, UnsupportedModelError, VitEmbedError
 from vit_backbone.safetensors_io import count_params_from_safetensors
 
+from .serve_cmd import SettingsError, configure_serve, run_serve
+
 PROG = "vitembed"
 EXIT_USAGE = 2  # bad arguments, unknown model, invalid size: the user's input, not a crash
 
@@ -264,6 +266,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand(
+        help="serve embeddings over HTTP (POST /v1/embed, OpenAI-compatible /v1/embeddings)",
+        configure=configure_serve,
+        run=run_serve,
+    ),
     "inspect": Subcommand(
         help="architecture, parameter count and the cost of input sizes (tokens, GFLOPs, attention)",
         configure=_configure_inspect,
@@ -311,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `vitembed inspect ... | head`: stop quietly, as Unix tools do
         _silence_stdout()
         return 1
-    except (VitEmbedError, OSError) as exc:
+    except (VitEmbedError, OSError, SettingsError) as exc:
         print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -1,0 +1,102 @@
+"""``vitembed serve``: settings from flags over ``VITEMBED_*`` variables, then uvicorn on one process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+
+from vit_backbone.errors import MissingExtraError
+
+# flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--host": ("host", str, "address to bind (default 127.0.0.1: loopback only)"),
+    "--port": ("port", int, "port (default 8000)"),
+    "--device": ("device", str, "cpu | cuda | auto (default cpu)"),
+    "--precision": ("precision", str, "auto | float32 | bfloat16 | float16 (default auto)"),
+    "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 8)"),
+    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass"),
+    "--max-wait-ms": ("max_wait_ms", float, "how long a batch waits to fill (default 5)"),
+    "--queue-size": ("queue_size", int, "images queued before 429 (default 256)"),
+    "--decode-workers": ("decode_workers", int, "threads decoding and preprocessing (default 2)"),
+    "--request-timeout-s": ("request_timeout_s", float, "per-request deadline, then 504 (default 30)"),
+    "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413"),
+    "--max-images-per-request": ("max_images_per_request", int, "images per request, then 413 (default 64)"),
+    "--cache-dir": (
+        "cache_dir",
+        str,
+        "where the embedded checkpoint is converted (default ~/.cache/vitembed)",
+    ),
+    "--log-level": ("log_level", str, "debug | info | warning | error"),
+}
+
+
+_SERVICE_EXTRA = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "multipart", "prometheus_client"}
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH_OR_ID",
+        help="a model to serve (repeatable): NAME=folder|hub-id|embedded, or a bare folder (named after it); "
+        "default: the embedded backbone as 'embedded'",
+    )
+    for flag, (_, kind, help_text) in _FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from .settings import parse_model_args
+
+    overrides: dict[str, Any] = {}
+    if args.model:
+        overrides["models"] = parse_model_args(args.model)
+    for _, (field, _, _) in _FLAGS.items():
+        value = getattr(args, field, None)
+        if value is not None:
+            overrides[field] = value
+    return overrides
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .settings import ServiceSettings
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] in _SERVICE_EXTRA:
+            raise MissingExtraError("vitembed serve", "service") from exc
+        raise
+    try:
+        settings = ServiceSettings(**settings_overrides(args))
+    except (ValidationError, ValueError) as exc:
+        raise SettingsError(_first_error(exc)) from exc
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
+        access_log=False,
+    )
+    return 0
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def _first_error(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "settings"
+        return f"invalid setting {where}: {first.get('msg')}"
+    return str(exc)
