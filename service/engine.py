@@ -248,6 +248,8 @@ class Engine:
         pooling = check_pooling(options.pooling or bb.defaults.pooling)
         layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
         policy = bb.check_policy(options.policy)
+        if options.size is not None:
+            self._check_size(served, policy, options.size)
         prepared = await self._prepare_all(served, images, policy, options.size)
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize)
         items = [
@@ -264,16 +266,15 @@ class Engine:
         except QueueFullError:
             self.metrics.rejected.labels("queue_full").inc()
             raise
+        results = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))
         try:
-            rows = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(item.future) for item in items)),
-                timeout=max(0.0, deadline - time.monotonic()),
-            )
+            rows = await asyncio.wait_for(results, timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
             ticket.cancel()
             raise DeadlineExceededError(f"no result within {self.settings.request_timeout_s:g} s") from exc
         except BaseException:
             ticket.cancel()  # client gone or the task cancelled: drop what is still queued
+            results.add_done_callback(_consume)  # nobody awaits it any more; don't log it as lost
             raise
         self.metrics.images.labels(model).inc(len(items))
         return EmbedOutcome(
@@ -289,6 +290,19 @@ class Engine:
             interpolation=bb.info_interpolation,
             precision=served.precision,
         )
+
+    def _check_size(self, served: _Served, policy: str, size: tuple[int, int]) -> None:
+        """A size that no image can satisfy is the request's fault, not one image's: refuse it before
+        decoding anything (the preprocessor's own check names the nearest valid sizes)."""
+        served.preprocessor.target_size(policy, size, size)  # type: ignore[arg-type]
+        (ph, pw) = served.backbone.patch_size
+        tokens = (size[0] // ph) * (size[1] // pw)
+        if tokens > self.settings.max_tokens_per_image:
+            raise SizeError(
+                f"size {size[0]}x{size[1]} gives {tokens} patch tokens, over the server's limit of "
+                f"{self.settings.max_tokens_per_image} (attention cost grows with tokens²); "
+                f"ask for a smaller size"
+            )
 
     async def _prepare_all(
         self, served: _Served, images: Sequence[bytes], policy: str, size: tuple[int, int] | None
@@ -340,3 +354,8 @@ class Engine:
         self.metrics.forward_passes.labels(model).inc()
         self.metrics.stage_seconds.labels("queue").observe(queue_wait)
         self.metrics.stage_seconds.labels("forward").observe(forward_s)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

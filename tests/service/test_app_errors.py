@@ -214,7 +214,6 @@ async def test_size_not_a_multiple_of_the_patch(server: Server, images: Images, 
             'Pass size= with multiples of the patch, or use policy="dynamic", which snaps to the patch grid '
             "(remainder pixels are never cropped silently)."
         ),
-        "index": 0,
     }
 
 

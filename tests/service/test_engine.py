@@ -16,7 +16,7 @@ from PIL import Image
 from service.engine import EmbedOptions, Engine, ItemError, NotReadyError, RequestTicket
 from service.metrics import Metrics
 from service.settings import ServiceSettings
-from vit_backbone import InvalidOptionError, ModelNotFoundError, load_backbone
+from vit_backbone import InvalidOptionError, ModelNotFoundError, SizeError, load_backbone
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -105,9 +105,10 @@ def test_token_limit_per_image(tiny_checkpoints: dict[str, Path]) -> None:
     eng.start()
     try:
         assert asyncio.run(embed(eng, [jpeg(64, 64, 0)], policy="squash", size=(56, 56))).shape == (1, 32)
-        with pytest.raises(ItemError) as failed:
-            asyncio.run(embed(eng, [jpeg(64, 64, 0)], policy="squash", size=(112, 112)))
-        assert failed.value.error.code == "invalid_size" and "64 tokens" in str(failed.value.error)
+        with pytest.raises(
+            SizeError, match="size 112x112 gives 64 patch tokens, over the server's limit of 20"
+        ):
+            asyncio.run(embed(eng, [b"never decoded"], policy="squash", size=(112, 112)))
     finally:
         eng.stop()
 
