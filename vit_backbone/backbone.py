@@ -306,10 +306,16 @@ class Backbone:
         draft: bool = True,
     ) -> np.ndarray:
         """PIL images or encoded bytes → float32 array [B, F] ([B, h, w, F] for ``patch``), input order."""
-        prepared = self.prepare(images, size=size, policy=policy, draft=draft)
-        return self.embed_prepared(
-            prepared, pooling=pooling, layers=layers, normalize=normalize, batch_size=batch_size
-        )
+        return self.embed_result(
+            images,
+            pooling=pooling,
+            layers=layers,
+            size=size,
+            policy=policy,
+            normalize=normalize,
+            batch_size=batch_size,
+            draft=draft,
+        ).vectors
 
     def embed_result(
         self,
