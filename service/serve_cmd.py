@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
+from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
@@ -64,30 +67,59 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
-        from .app import create_app
         from .settings import ServiceSettings
     except ImportError as exc:
-        if (exc.name or "").split(".")[0] in _SERVICE_EXTRA:
-            raise MissingExtraError("vitembed serve", "service") from exc
+        _check_service_extra(exc)
         raise
-    try:
+    try:  # before the heavy imports below: a bad setting fails in a fraction of a second
         settings = ServiceSettings(**settings_overrides(args))
     except (ValidationError, ValueError) as exc:
         raise SettingsError(_first_error(exc)) from exc
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as exc:
+        _check_service_extra(exc)
+        raise
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
-        access_log=False,
-    )
+    # uvicorn handles SIGTERM itself (stop accepting, finish in-flight requests, shut down), then restores the
+    # handler it found and raises the signal again: with the default handler that kills the drained process
+    # (status -15). This handler turns that last step into a clean exit with status 0.
+    previous = _exit_cleanly_on_sigterm()
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
+            access_log=False,
+        )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _exit_cleanly_on_sigterm() -> Any:
+    """Install the SIGTERM handler uvicorn will restore and re-raise into; returns the previous one (None
+    off the main thread, where uvicorn installs no handlers either)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _check_service_extra(exc: ImportError) -> None:
+    """An import of the ``service`` extra failed: say which extra to install instead of a traceback."""
+    if (exc.name or "").split(".")[0] in _SERVICE_EXTRA:
+        raise MissingExtraError("vitembed serve", "service") from exc
 
 
 class SettingsError(ValueError):
