@@ -37,7 +37,7 @@ def pick_device(requested: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'")
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU; use 'cpu' or 'auto'")
     return device
 
 
