@@ -24,7 +24,7 @@ from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
-from vit_backbone.pooling import check_pooling, pool
+from vit_backbone.pooling import check_pooling
 from vit_backbone.precision import MIN_COSINE, autocast_dtype, min_cosine, pick_device
 from vit_backbone.preprocess import Prepared, Preprocessor, stack
 
@@ -340,8 +340,10 @@ class Engine:
         pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
         if backbone.device.type == "cuda":  # page-locked host memory lets the copy overlap compute
             pixel_values = pixel_values.pin_memory().to(backbone.device, non_blocking=True)
-        feats = backbone.features(pixel_values, layers=None if layers is None else list(layers))
-        pooled = pool(feats, check_pooling(pooling), None if layers is None else list(layers)).float()
+        pooled = backbone.pooled(
+            pixel_values, check_pooling(pooling), None if layers is None else list(layers)
+        )
+        pooled = pooled.float()
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return pooled.cpu().numpy()

@@ -8,6 +8,7 @@ interpolation rule, preprocessing hash).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import InvalidOptionError, SizeError
+from .errors import InvalidOptionError, SizeError, UnsupportedModelError
 from .features import Features, LayerTokens
 from .loading import (
     ResolvedCheckpoint,
@@ -26,7 +27,7 @@ from .loading import (
     read_processor_config,
     resolve_checkpoint,
 )
-from .pooling import Pooling, check_pooling, pool, pooled_dim
+from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_dim
 from .pos_embed import PositionTableCache
 from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack
 from .specs import FamilySpec, InterpolationRule, ResampleMethod
@@ -132,6 +133,8 @@ class Backbone:
         self.processing_grid = (max(1, box_h // self.patch_size[0]), max(1, box_w // self.patch_size[1]))
         self.preprocessor = Preprocessor(preprocess, self.patch_size, self.processing_grid)
         self._final_norm: torch.nn.Module = _get_attr(model, spec.final_norm)
+        self._blocks_owner, self._blocks_name = _find_blocks(model, self.depth)
+        self._forward_lock = threading.Lock()  # truncation swaps the block list: one forward at a time
         self._positions: PositionTableCache | None = None
         if spec.pos_embed == "learned":
             self._install_position_rule()
@@ -216,7 +219,7 @@ class Backbone:
         kwargs: dict[str, Any] = {"output_hidden_states": True}
         if self.spec.needs_interpolate_flag:
             kwargs["interpolate_pos_encoding"] = True
-        with self._autocast():
+        with self._forward_lock, self._autocast():
             out = self.model(pixel_values, **kwargs)
             hidden = out.hidden_states  # L+1 x [B, P + h*w, D]; [0] is the embedding output
             last = self._split(self._final_norm(hidden[-1]), grid)
@@ -229,6 +232,43 @@ class Backbone:
             pooler=pooler,
             layers=per_layer,
         )
+
+    @torch.inference_mode()
+    def layer_features(self, pixel_values: torch.Tensor, layers: LayersArg) -> dict[int, LayerTokens]:
+        """Only the requested blocks' tokens (through the final norm), running the network no deeper than
+        the deepest of them: block 8 of 12 costs 9/12 of a full forward pass."""
+        chosen = self.resolve_layers(layers)
+        if chosen is None:
+            chosen = [self.depth - 1]
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
+            raise InvalidOptionError(f"pixel_values must be [B, 3, H, W], got {list(pixel_values.shape)}")
+        grid = self.check_pixel_size(int(pixel_values.shape[2]), int(pixel_values.shape[3]))
+        pixel_values = pixel_values.to(device=self.device, dtype=self.dtype)  # [B, 3, H, W]
+        kwargs: dict[str, Any] = {"output_hidden_states": True}
+        if self.spec.needs_interpolate_flag:
+            kwargs["interpolate_pos_encoding"] = True
+        with self._forward_lock, self._truncated(max(chosen) + 1), self._autocast():
+            hidden = self.model(pixel_values, **kwargs).hidden_states  # [0] = embeddings, [i+1] = block i
+            return {i: self._split(self._final_norm(hidden[i + 1]), grid) for i in chosen}
+
+    @contextlib.contextmanager
+    def _truncated(self, blocks: int) -> Iterator[None]:
+        full = getattr(self._blocks_owner, self._blocks_name)
+        if blocks >= len(full):
+            yield
+            return
+        setattr(self._blocks_owner, self._blocks_name, torch.nn.ModuleList(list(full)[:blocks]))
+        try:
+            yield
+        finally:
+            setattr(self._blocks_owner, self._blocks_name, full)
+
+    def pooled(self, pixel_values: torch.Tensor, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
+        """One forward pass to one pooled feature per image ([b, F] or [b, h, w, F]); stops at the deepest
+        requested block unless the pooling needs the model's own head."""
+        if layers is None or pooling == "pooler":
+            return pool(self.features(pixel_values, layers=layers), pooling, layers)
+        return pool_layers(self.layer_features(pixel_values, layers), pooling, layers)
 
     def _split(self, tokens: torch.Tensor, grid: tuple[int, int]) -> LayerTokens:
         batch, _, dim = tokens.shape  # [B, P + h*w, D]
@@ -283,8 +323,7 @@ class Backbone:
         results: list[torch.Tensor | None] = [None] * len(prepared)
         for indices in _batches_by_grid(prepared, batch_size):
             pixel_values, _ = stack([prepared[i] for i in indices])  # [b, 3, H, W]
-            feats = self.features(pixel_values, layers=chosen_layers)
-            pooled = pool(feats, chosen_pooling, chosen_layers).float()  # [b, F] or [b, h, w, F]
+            pooled = self.pooled(pixel_values, chosen_pooling, chosen_layers).float()  # [b, F] / [b, h, w, F]
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             for row, index in enumerate(indices):
@@ -402,6 +441,21 @@ def _batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[
     for indices in groups.values():
         for start in range(0, len(indices), batch_size):
             yield indices[start : start + batch_size]
+
+
+def _find_blocks(model: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, str]:
+    """The ModuleList of the transformer blocks (``encoder.layer``, ``encoder.layers``, ``model.layer``...
+    depending on the family), found by shape rather than by a name per family."""
+    found = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) == depth
+    ]
+    if not found:
+        raise UnsupportedModelError(f"cannot find the {depth} transformer blocks in {type(model).__name__}")
+    path = min(found, key=len)
+    owner_path, _, name = path.rpartition(".")
+    return (_get_attr(model, owner_path) if owner_path else model), name
 
 
 def _get_attr(root: Any, path: str) -> Any:

@@ -16,7 +16,7 @@ With several blocks, each block's pooled feature is concatenated in the order gi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -78,7 +78,19 @@ def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> 
         if features.pooler is None:
             raise InvalidOptionError("this checkpoint has no pooler weights; use pooling='cls'")
         return features.pooler
-    chosen = [features.last] if layers is None else [features.layers[i] for i in layers]
+    if layers is not None:
+        return pool_layers(features.layers, pooling, layers)
+    return _pool_blocks([features.last], pooling)
+
+
+def pool_layers(tokens: Mapping[int, LayerTokens], pooling: Pooling, layers: Sequence[int]) -> torch.Tensor:
+    """Pool the requested blocks, in the order given."""
+    if pooling == "pooler":
+        raise InvalidOptionError("pooling='pooler' is the model's own head on the last block; drop `layers`")
+    return _pool_blocks([tokens[i] for i in layers], pooling)
+
+
+def _pool_blocks(chosen: Sequence[LayerTokens], pooling: Pooling) -> torch.Tensor:
     if pooling == "linear_eval":
         cls_tokens = [_require_cls(t, pooling) for t in chosen]
         return torch.cat([*cls_tokens, mean_patches(chosen[-1])], dim=-1)  # [B, (L+1)*D]

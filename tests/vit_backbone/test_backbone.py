@@ -246,3 +246,33 @@ def test_embed_equals_features_of_the_prepared_batch(backbones: dict[str, Backbo
         feats.layers[0].cls.numpy(),
         atol=1e-6,  # type: ignore[union-attr]
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_exit_gives_the_same_blocks_and_restores_the_model(
+    backbones: dict[str, Backbone], family: str
+) -> None:
+    bb = backbones[family]
+    (ph, pw), (nh, nw) = bb.patch_size, bb.native_grid
+    x = torch.randn(2, 3, nh * ph, (nw + 1) * pw)
+    full = bb.features(x, layers=[0])
+    early = bb.layer_features(x, [0])
+    assert set(early) == {0}
+    assert torch.allclose(early[0].patches, full.layers[0].patches, atol=1e-6)
+    if bb.spec.has_cls:
+        assert torch.allclose(early[0].cls, full.layers[0].cls, atol=1e-6)  # type: ignore[arg-type]
+    calls: list[int] = []
+    blocks = bb._blocks_owner
+    hooks = [
+        block.register_forward_hook(lambda *_: calls.append(1)) for block in getattr(blocks, bb._blocks_name)
+    ]
+    try:
+        bb.pooled(x, "mean", [0])
+        assert len(calls) == 1  # block 0 only: the second block never ran
+        calls.clear()
+        again = bb.features(x)
+        assert len(calls) == bb.depth  # the full model is back
+        assert torch.allclose(again.patches, full.patches)
+    finally:
+        for hook in hooks:
+            hook.remove()
