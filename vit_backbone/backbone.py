@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,10 @@ class BackboneInfo:
         return asdict(self)
 
 
+class _StopForward(Exception):
+    """Raised by a block hook to end a forward pass early; never leaves ``layer_features``."""
+
+
 class Backbone:
     def __init__(
         self,
@@ -134,7 +138,7 @@ class Backbone:
         self.preprocessor = Preprocessor(preprocess, self.patch_size, self.processing_grid)
         self._final_norm: torch.nn.Module = _get_attr(model, spec.final_norm)
         self._blocks_owner, self._blocks_name = _find_blocks(model, self.depth)
-        self._forward_lock = threading.Lock()  # truncation swaps the block list: one forward at a time
+        self._forward_lock = threading.Lock()  # early-exit hooks live on shared blocks: one forward at a time
         self._positions: PositionTableCache | None = None
         if spec.pos_embed == "learned":
             self._install_position_rule()
@@ -244,24 +248,34 @@ class Backbone:
             raise InvalidOptionError(f"pixel_values must be [B, 3, H, W], got {list(pixel_values.shape)}")
         grid = self.check_pixel_size(int(pixel_values.shape[2]), int(pixel_values.shape[3]))
         pixel_values = pixel_values.to(device=self.device, dtype=self.dtype)  # [B, 3, H, W]
-        kwargs: dict[str, Any] = {"output_hidden_states": True}
-        if self.spec.needs_interpolate_flag:
-            kwargs["interpolate_pos_encoding"] = True
-        with self._forward_lock, self._truncated(max(chosen) + 1), self._autocast():
-            hidden = self.model(pixel_values, **kwargs).hidden_states  # [0] = embeddings, [i+1] = block i
-            return {i: self._split(self._final_norm(hidden[i + 1]), grid) for i in chosen}
+        kwargs: dict[str, Any] = (
+            {"interpolate_pos_encoding": True} if self.spec.needs_interpolate_flag else {}
+        )
+        blocks = getattr(self._blocks_owner, self._blocks_name)
+        deepest = max(chosen)
+        captured: dict[int, torch.Tensor] = {}
 
-    @contextlib.contextmanager
-    def _truncated(self, blocks: int) -> Iterator[None]:
-        full = getattr(self._blocks_owner, self._blocks_name)
-        if blocks >= len(full):
-            yield
-            return
-        setattr(self._blocks_owner, self._blocks_name, torch.nn.ModuleList(list(full)[:blocks]))
-        try:
-            yield
-        finally:
-            setattr(self._blocks_owner, self._blocks_name, full)
+        def capture(index: int) -> Callable[..., None]:
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                captured[index] = output[0] if isinstance(output, tuple) else output  # [B, P + h*w, D]
+                if index == deepest:
+                    raise _StopForward  # nothing after this block is needed
+
+            return hook
+
+        # Hooks rather than output_hidden_states on a shortened block list: transformers installs its own
+        # output-capturing hooks once, lazily, on the blocks it first sees, so mutating the model would
+        # corrupt every later full forward pass.
+        with self._forward_lock:
+            handles = [blocks[i].register_forward_hook(capture(i)) for i in set(chosen)]
+            try:
+                with self._autocast(), contextlib.suppress(_StopForward):
+                    self.model(pixel_values, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            with self._autocast():
+                return {i: self._split(self._final_norm(captured[i]), grid) for i in chosen}
 
     def pooled(self, pixel_values: torch.Tensor, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
         """One forward pass to one pooled feature per image ([b, F] or [b, h, w, F]); stops at the deepest
