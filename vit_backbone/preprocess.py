@@ -165,17 +165,21 @@ class Preprocessor:
             resize=((2 * h * sh + ch) // (2 * ch), (2 * w * sw + cw) // (2 * cw)), crop=size, out=size
         )
 
-    def _finish(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """Letterbox (pad policy) with the mean colour in output units: exactly 0 when normalising."""
-        if tuple(x.shape[-2:]) == plan.out:
-            return x.contiguous()
-        cfg = self.config
-        scale = 0.0 if cfg.do_normalize else 255.0 * (cfg.rescale_factor if cfg.do_rescale else 1.0)
-        fill = torch.tensor([m * scale for m in cfg.image_mean], dtype=torch.float32).view(3, 1, 1)
-        out = fill.expand(3, *plan.out).clone()  # [3, H, W]
-        (top, left), (h, w) = plan.offset, x.shape[-2:]
-        out[:, top : top + h, left : left + w] = x
-        return out
+    def _finish(self, x: np.ndarray, plan: _Plan) -> torch.Tensor:
+        """Letterbox (pad policy) with the mean colour in output units: exactly 0 when normalising.
+
+        In numpy on purpose: these run on decode threads, and a torch op there would start an OpenMP
+        team whose spinning workers steal the cores from the forward pass running at the same time."""
+        if tuple(x.shape[-2:]) != plan.out:
+            cfg = self.config
+            scale = 0.0 if cfg.do_normalize else 255.0 * (cfg.rescale_factor if cfg.do_rescale else 1.0)
+            fill = np.asarray([m * scale for m in cfg.image_mean], dtype=np.float32)[:, None, None]
+            out = np.empty((3, *plan.out), dtype=np.float32)  # [3, H, W]
+            out[...] = fill
+            (top, left), (h, w) = plan.offset, x.shape[-2:]
+            out[:, top : top + h, left : left + w] = x
+            x = out
+        return torch.from_numpy(np.ascontiguousarray(x))
 
     def _run_pil(self, img: Image.Image, plan: _Plan) -> torch.Tensor:
         """transformers' PilBackend: PIL resize on uint8, numpy crop, float64 rescale, float32 normalise."""
@@ -192,7 +196,7 @@ class Preprocessor:
         if cfg.do_normalize:  # float32 (x - mean) / std, as transformers' normalize()
             mean, std = (np.asarray(v, np.float32)[:, None, None] for v in (cfg.image_mean, cfg.image_std))
             x = (x - mean) / std
-        return self._finish(torch.from_numpy(np.ascontiguousarray(x)), plan)
+        return self._finish(x, plan)
 
     def _run_torch(self, img: Image.Image, plan: _Plan) -> torch.Tensor:
         """DINOv3's order: rescale to float32, antialiased float resize, torchvision crop, normalise."""
@@ -210,7 +214,7 @@ class Preprocessor:
         if cfg.do_normalize:
             mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1, 1)
             x = x.sub(mean).div_(torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1, 1))
-        return self._finish(x, plan)
+        return self._finish(x.numpy(), plan)
 
 
 def stack(prepared: Sequence[Prepared]) -> tuple[torch.Tensor, tuple[int, int]]:
