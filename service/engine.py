@@ -331,7 +331,10 @@ class Engine:
                 f"server's limit of {self.settings.max_tokens_per_image} "
                 f"(attention cost grows with tokens²); ask for a smaller size"
             )
-        self.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - started)
+        self.metrics.stage_seconds.labels("decode").observe(prepared.decode_s)
+        self.metrics.stage_seconds.labels("preprocess").observe(
+            time.perf_counter() - started - prepared.decode_s
+        )
         return prepared
 
     # ----------------------------------------------------------------- the forward thread

@@ -11,7 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-STAGES = ("decode", "queue", "forward", "serialise")
+STAGES = ("decode", "preprocess", "queue", "forward", "serialise")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -40,7 +40,7 @@ class Metrics:
         self.images = Counter("vitembed_images_total", "images embedded", ["model"], registry=self.registry)
         self.stage_seconds = Histogram(
             "vitembed_stage_seconds",
-            "latency per stage: decode (per image), queue and forward (per batch), serialise (per request)",
+            "latency per stage: decode, preprocess (per image); queue, forward (per batch); serialise",
             ["stage"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,

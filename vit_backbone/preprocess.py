@@ -10,6 +10,7 @@ a size that is not a multiple of the patch is an error naming the nearest valid 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -34,6 +35,7 @@ class Prepared:
     grid: tuple[int, int]  # (H / P_h, W / P_w), exact
     source_size: tuple[int, int]  # (H, W) of the full-resolution source (display orientation, pre-draft)
     policy: str
+    decode_s: float = 0.0  # seconds spent decoding bytes (0 for an image given decoded); the rest is resizing
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,12 @@ class Preprocessor:
             def wanted(source_hw: tuple[int, int]) -> tuple[int, int] | None:
                 return self.min_decode_size(policy, size, source_hw)
 
+            started = time.perf_counter()
             decoded = decode(bytes(image), limits=self.limits, min_size=wanted if draft else None)
             img, source = decoded.image, decoded.source_size
+            decode_s = time.perf_counter() - started
         elif isinstance(image, Image.Image):
+            decode_s = 0.0
             plain_rgb = image.mode == "RGB" and "transparency" not in image.info
             img = image if plain_rgb else to_rgb(image, self.limits.background)
             source = (img.height, img.width)
@@ -98,7 +103,11 @@ class Preprocessor:
         pixels = self._run_torch(img, plan) if self.config.pipeline == "torch" else self._run_pil(img, plan)
         (ph, pw), (out_h, out_w) = self.patch_size, plan.out
         return Prepared(
-            pixel_values=pixels, grid=(out_h // ph, out_w // pw), source_size=source, policy=policy
+            pixel_values=pixels,
+            grid=(out_h // ph, out_w // pw),
+            source_size=source,
+            policy=policy,
+            decode_s=decode_s,
         )
 
     def target_size(

@@ -232,7 +232,8 @@ async def test_health_ready_models_and_metrics(server: Server, reference: Backbo
     assert await server.metric("vitembed_requests_total", route="/v1/embed", status="415") == before + 1
     assert await server.metric("vitembed_requests_total", route="unmatched", status="404") >= 1
     assert await server.metric("vitembed_requests_total", route="/health", status="200") >= 1
-    assert await server.metric("vitembed_stage_seconds_count", stage="serialise") >= 1
+    for stage in ("decode", "preprocess", "queue", "forward", "serialise"):
+        assert await server.metric("vitembed_stage_seconds_count", stage=stage) >= 1
     assert await server.metric("vitembed_forward_passes_total", model="tiny") >= 1
 
 
