@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import re
 import struct
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from asgi_lifespan import LifespanManager
 from PIL import Image
+from promtext import sum_samples
 
 from service.app import create_app
 from service.settings import ServiceSettings
@@ -39,16 +39,7 @@ class Server:
 
     async def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
-        text = (await self.client.get("/metrics")).text
-        total = 0.0
-        for line in text.splitlines():
-            match = re.match(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
-            if not match or match.group(1) != name:
-                continue
-            found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(match.group(3))
-        return total
+        return sum_samples((await self.client.get("/metrics")).text, name, **labels)
 
 
 OpenServer = Callable[..., contextlib.AbstractAsyncContextManager[Server]]

@@ -10,7 +10,6 @@ timeout); its log goes to a temp file that is printed when a test fails.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,6 +26,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from promtext import sum_samples
 
 from vit_backbone import Backbone
 from vit_backbone.decode import decode
@@ -80,16 +80,7 @@ class ServerProcess:
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
         with self.client() as client:
-            text = client.get("/metrics").text
-        total = 0.0
-        for line in text.splitlines():
-            match = re.match(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
-            if not match or match.group(1) != name:
-                continue
-            found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(match.group(3))
-        return total
+            return sum_samples(client.get("/metrics").text, name, **labels)
 
     def terminate(self) -> None:
         """SIGTERM, without waiting (servers then shut down side by side); ``stop`` waits."""
