@@ -11,12 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from service.engine import EmbedOptions, Engine, ItemError, NotReadyError, RequestTicket
 from service.metrics import Metrics
 from service.settings import ServiceSettings
 from vit_backbone import InvalidOptionError, ModelNotFoundError, SizeError, load_backbone
+from vit_backbone.backbone import Backbone
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -125,5 +127,30 @@ def test_forced_bfloat16_stays_close_to_float32(tiny_checkpoints: dict[str, Path
         exact = load_backbone(tiny_checkpoints["dinov2"]).embed(images, normalize=True)
         assert float((low * exact).sum(1).min()) >= 0.999
         assert np.abs(low - exact).max() > 1e-4  # autocast really ran in bfloat16
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize(
+    ("bf16_over_fp32", "chosen"),
+    [(0.5, "bfloat16"), (1.1, "bfloat16"), (1.3, "float32")],  # a noisy tie keeps bf16; a clear loss vetoes
+)
+def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bf16_over_fp32: float, chosen: str
+) -> None:
+    import service.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "autocast_dtype", lambda precision, device: torch.bfloat16)
+    real = Engine._timed_embed
+
+    def timed(backbone: Backbone, images: list[Image.Image]) -> tuple[np.ndarray, float]:
+        vectors, _ = real(backbone, images)
+        return vectors, (bf16_over_fp32 if backbone.autocast is not None else 1.0)
+
+    monkeypatch.setattr(Engine, "_timed_embed", staticmethod(timed))
+    eng = Engine(ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}), Metrics())
+    eng.start()
+    try:
+        assert eng.model_infos()["tiny"]["precision"].split(" ")[0] == chosen
     finally:
         eng.stop()
