@@ -25,7 +25,7 @@ from vit_backbone.backbone import Backbone
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
 from vit_backbone.pooling import check_pooling
-from vit_backbone.precision import MIN_COSINE, autocast_dtype, min_cosine, pick_device
+from vit_backbone.precision import MIN_COSINE, autocast_dtype, min_cosine, pick_device, to_device
 from vit_backbone.preprocess import Prepared, Preprocessor, stack
 
 from .batcher import (
@@ -347,8 +347,7 @@ class Engine:
     def _forward(self, backbone: Backbone, items: Sequence[WorkItem]) -> np.ndarray:
         _, pooling, layers, normalize = items[0].key
         pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
-        if backbone.device.type == "cuda":  # page-locked host memory lets the copy overlap compute
-            pixel_values = pixel_values.pin_memory().to(backbone.device, non_blocking=True)
+        pixel_values = to_device(pixel_values, backbone.device)  # pinned + non-blocking on CUDA
         pooled = backbone.pooled(
             pixel_values, check_pooling(pooling), None if layers is None else list(layers)
         )

@@ -62,3 +62,11 @@ def min_cosine(reference: np.ndarray, candidate: np.ndarray) -> float:
     b = candidate.reshape(len(candidate), -1).astype(np.float64)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
     return float(cos.min())
+
+
+def to_device(pixel_values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch → model device. For an accelerator the batch is copied through page-locked memory with a
+    non-blocking copy, so the transfer overlaps work already queued on the device; on CPU it is a no-op."""
+    if device.type == "cpu":
+        return pixel_values
+    return pixel_values.pin_memory().to(device, non_blocking=True)  # [B, 3, H, W]

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from vit_backbone.precision import autocast_dtype, cpu_flags, cpu_has_native_bf16, min_cosine, pick_device
+from vit_backbone.precision import (
+    autocast_dtype,
+    cpu_flags,
+    cpu_has_native_bf16,
+    min_cosine,
+    pick_device,
+    to_device,
+)
 
 
 def test_native_bf16_needs_amx_or_avx512_bf16(tmp_path: Path) -> None:
@@ -49,3 +56,27 @@ def test_min_cosine() -> None:
     a = np.array([[1.0, 0.0], [0.0, 2.0]])
     assert min_cosine(a, a * 3) == pytest.approx(1.0)
     assert min_cosine(a, np.array([[1.0, 1.0], [0.0, 1.0]])) == pytest.approx(np.sqrt(0.5))
+
+
+def test_accelerator_copies_use_pinned_memory_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = torch.randn(2, 3, 28, 28)
+    assert to_device(batch, torch.device("cpu")) is batch  # CPU: no copy at all
+
+    pinned: list[torch.Tensor] = []
+    copies: list[tuple[torch.device, bool]] = []
+    real_to = torch.Tensor.to
+
+    def fake_pin(self: torch.Tensor) -> torch.Tensor:  # no CUDA here: record the call, keep the data
+        pinned.append(self)
+        return self.clone()
+
+    def recording_to(self: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+        copies.append((torch.device(device), non_blocking))
+        return real_to(self, device, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    moved = to_device(batch, torch.device("meta"))  # any non-CPU device takes the accelerator path
+    assert pinned and pinned[0] is batch
+    assert copies == [(torch.device("meta"), True)]
+    assert moved.device.type == "meta" and moved.shape == batch.shape
