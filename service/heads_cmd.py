@@ -1,0 +1,182 @@
+"""``vitembed heads``: train, run and describe frozen heads from the command line.
+
+``train`` computes features once (cached under ``--cache-dir``, default ``~/.cache/vitembed/features``),
+fits the head, prints its validation accuracy (and mIoU for patch heads) and writes ``HEAD.safetensors`` +
+``HEAD.json`` (or a folder). ``predict`` prints each image's top classes (patch heads: class shares, and
+masks written with ``--masks-out``); ``show`` prints the card. Heavy imports happen inside each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CACHE = Path("~/.cache/vitembed/features")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"layers must be integers separated by commas, got {text!r}"
+        ) from exc
+
+
+def parse_head_args(values: list[str]) -> dict[str, str]:
+    """``--head NAME=PATH`` (repeatable)."""
+    heads: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(
+                f"--head {value!r}: expected NAME=PATH (HEAD.safetensors, HEAD.json or a folder)"
+            )
+        if name in heads:
+            raise ValueError(f"--head: the name {name!r} is given twice")
+        heads[name] = path
+    return heads
+
+
+def configure_heads(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="heads_command", metavar="ACTION", required=True)
+    train = actions.add_parser("train", help="train a head on a labelled folder or catalog Parquet")
+    train.add_argument(
+        "--data", required=True, help="FOLDER (one subfolder per class; masks for patch) or Parquet"
+    )
+    train.add_argument("--out", required=True, help="HEAD.safetensors (+ HEAD.json beside it) or a folder")
+    train.add_argument(
+        "--model", default=None, help="backbone (default: embedded; Parquet: none, or checked)"
+    )
+    train.add_argument("--kind", choices=("linear", "knn", "patch"), default="linear")
+    train.add_argument("--pooling", default=None, help="default: the model's (patch heads: patch)")
+    train.add_argument("--layers", type=_layers, default=None, help="blocks, e.g. 8 or -4,-3,-2,-1")
+    train.add_argument("--size", nargs=2, type=int, default=None, metavar=("H", "W"))
+    train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
+    train.add_argument("--val-fraction", type=float, default=0.2, help="held-out share for model selection")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where features are cached")
+    train.add_argument("--no-cache", action="store_true", help="compute features without the disk cache")
+    train.set_defaults(heads_run=_train)
+
+    predict = actions.add_parser("predict", help="run a head on images")
+    predict.add_argument("head", metavar="HEAD")
+    predict.add_argument("images", metavar="IMAGE", nargs="+", type=Path)
+    predict.add_argument("--model", default="embedded", help="the backbone the head was trained on")
+    predict.add_argument("--top-k", type=int, default=3)
+    predict.add_argument("--json", action="store_true", help="one JSON object per image")
+    predict.add_argument("--masks-out", type=Path, default=None, help="patch heads: write X.mask.png here")
+    predict.set_defaults(heads_run=_predict)
+
+    show = actions.add_parser("show", help="print a head's card")
+    show.add_argument("head", metavar="HEAD")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(heads_run=_show)
+
+
+def run_heads(args: argparse.Namespace) -> int:
+    status: int = args.heads_run(args)
+    return status
+
+
+def _train(args: argparse.Namespace) -> int:
+    from vit_backbone import load_backbone
+    from vit_backbone.heads import FeatureCache, TrainOptions, save_head, train_head
+    from vit_backbone.heads.train import is_parquet_source
+
+    options = TrainOptions(
+        kind=args.kind,
+        pooling=args.pooling,
+        layers=args.layers,
+        size=None if args.size is None else (args.size[0], args.size[1]),
+        policy=args.policy,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
+    parquet = is_parquet_source(args.data)
+    model = args.model if args.model is not None or parquet else "embedded"
+    backbone = load_backbone(model) if model is not None else None
+    cache = None if args.no_cache or parquet else FeatureCache(args.cache_dir)
+    result = train_head(backbone, args.data, options, cache=cache)
+    card = result.card
+    weights, card_file = save_head(result.head, args.out)
+    source = "catalog vectors" if parquet else "images"
+    print(f"trained a {card.kind} head on {card.train_count} {source} ({len(card.classes)} classes)")
+    if not parquet:
+        print(f"features: {result.cache.computed} computed, {result.cache.hits} from the cache")
+    chosen = {k: v for k, v in card.hyperparameters.items() if k in ("weight_decay", "k", "temperature")}
+    if card.val_accuracy is None:
+        print("validation accuracy: n/a (no held-out split)")
+    else:
+        what = "pixel accuracy" if card.kind == "patch" else "accuracy"
+        print(f"validation {what}: {card.val_accuracy:.4f} ({card.val_count} held out; chosen {_kv(chosen)})")
+    if card.val_miou is not None:
+        print(f"validation mIoU: {card.val_miou:.4f}")
+    print(f"saved {weights} and {card_file}")
+    return 0
+
+
+def _kv(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from vit_backbone import load_backbone
+    from vit_backbone.heads import load_head
+    from vit_backbone.heads.predict import predict_masks, predict_proba
+
+    backbone = load_backbone(args.model)
+    head = load_head(args.head, backbone)
+    images = [path.read_bytes() for path in args.images]
+    classes = head.card.classes
+    if head.card.kind == "patch":
+        return _predict_patch(args, backbone, head, images, predict_masks)
+    probabilities = predict_proba(backbone, head, images)  # [n, C]
+    k = max(1, min(args.top_k, len(classes)))
+    for path, row in zip(args.images, probabilities, strict=True):
+        order = row.argsort()[::-1][:k]
+        labels = [{"label": classes[i], "probability": float(row[i])} for i in order]
+        if args.json:
+            print(json.dumps({"image": str(path), "labels": labels}))
+        else:
+            print(f"{path}: " + ", ".join(f"{x['label']} {x['probability']:.3f}" for x in labels))
+    return 0
+
+
+def _predict_patch(
+    args: argparse.Namespace, backbone: Any, head: Any, images: list[bytes], predict: Any
+) -> int:
+    import numpy as np
+    from PIL import Image
+
+    classes = head.card.classes
+    masks = predict(backbone, head, images, upsample=args.masks_out is not None)
+    for path, mask in zip(args.images, masks, strict=True):
+        counts = np.bincount(mask.ravel(), minlength=len(classes)) / mask.size
+        shares = {classes[i]: round(float(counts[i]), 4) for i in np.argsort(-counts) if counts[i] > 0}
+        line: dict[str, Any] = {"image": str(path), "shape": list(mask.shape), "shares": shares}
+        if args.masks_out is not None:
+            args.masks_out.mkdir(parents=True, exist_ok=True)
+            out = args.masks_out / f"{path.stem}.mask.png"
+            Image.fromarray(mask.astype(np.uint8), mode="L").save(out)
+            line["mask"] = str(out)
+        print(
+            json.dumps(line)
+            if args.json
+            else f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in shares.items())
+        )
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from vit_backbone.heads import read_card
+    from vit_backbone.heads.io import card_summary
+
+    card = read_card(args.head)
+    sys.stdout.write((card.to_json() if args.json else card_summary(card)) + "\n")
+    return 0

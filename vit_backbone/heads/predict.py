@@ -1,0 +1,85 @@
+"""Running a trained head on images: the head's own features (its card's pooling, blocks, size and
+policy), then its probabilities. The HTTP service computes the same from a shared forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..errors import InvalidOptionError
+from .base import Head
+from .card import HeadCard
+from .compat import check_compatible
+from .patch import PatchHead, UpsampleMode, upsample_logits
+
+if TYPE_CHECKING:
+    from ..backbone import Backbone, ImageInput
+    from ..pooling import Pooling
+    from ..preprocess import Prepared, ResizePolicy
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """The features a head reads, resolved on one backbone."""
+
+    pooling: Pooling
+    layers: list[int] | None
+    size: tuple[int, int] | None
+    policy: ResizePolicy
+
+
+def head_inputs(card: HeadCard, backbone: Backbone) -> HeadInputs:
+    from ..pooling import check_pooling
+
+    return HeadInputs(
+        pooling=check_pooling(card.pooling),
+        layers=backbone.resolve_layers(list(card.layers) if card.layers is not None else None),
+        size=card.size,
+        policy=backbone.check_policy(card.policy),
+    )
+
+
+def _prepare(
+    backbone: Backbone, head: Head, images: Sequence[ImageInput]
+) -> tuple[HeadInputs, list[Prepared]]:
+    check_compatible(head.card, backbone)
+    inputs = head_inputs(head.card, backbone)
+    return inputs, backbone.prepare(list(images), size=inputs.size, policy=inputs.policy)
+
+
+def predict_proba(
+    backbone: Backbone, head: Head, images: Sequence[ImageInput], *, batch_size: int = 8
+) -> np.ndarray:
+    """[n, C] class probabilities, input order (classifier heads)."""
+    if head.card.kind == "patch":
+        raise InvalidOptionError("a patch head gives a class grid per image: use predict_masks")
+    inputs, prepared = _prepare(backbone, head, images)
+    features = backbone.embed_prepared(
+        prepared, pooling=inputs.pooling, layers=inputs.layers, batch_size=batch_size
+    )
+    return head.predict_proba(torch.from_numpy(features)).numpy()  # [n, C]
+
+
+def predict_masks(
+    backbone: Backbone,
+    head: Head,
+    images: Sequence[ImageInput],
+    *,
+    upsample: bool = False,
+    mode: UpsampleMode = "bilinear",
+) -> list[np.ndarray]:
+    """Per image the class ids on the patch grid [h, w], or at the input image's size [H, W]."""
+    if not isinstance(head, PatchHead):
+        raise InvalidOptionError(f"a {head.card.kind} head gives labels, not masks: use predict_proba")
+    inputs, prepared = _prepare(backbone, head, images)
+    out = []
+    for item in prepared:  # grids may differ (policy dynamic): one image at a time
+        grid = backbone.embed_prepared([item], pooling="patch", layers=inputs.layers)  # [1, h, w, F]
+        logits = head.logits(torch.from_numpy(grid))[0]  # [h, w, C]
+        ids = upsample_logits(logits, item.source_size, mode) if upsample else logits.argmax(dim=-1)
+        out.append(ids.numpy().astype(np.int64))
+    return out

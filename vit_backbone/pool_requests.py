@@ -1,0 +1,46 @@
+"""Several poolings from one forward pass.
+
+A server that returns an embedding *and* the outputs of heads trained on other poolings or blocks must not
+run the network once per output: every request here is served from one pass that computes the union of
+the requested blocks (stopping at the deepest one unless a request needs the model's own pooler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import InvalidOptionError
+from .pooling import Pooling, check_pooling, pool, pool_layers
+
+if TYPE_CHECKING:
+    from .backbone import Backbone
+
+PoolRequest = tuple[Pooling, Sequence[int] | None]  # (pooling, 0-based blocks; None = last block)
+
+
+def pooled_many(
+    backbone: Backbone, pixel_values: torch.Tensor, requests: Sequence[PoolRequest]
+) -> list[torch.Tensor]:
+    """One pooled tensor per request ([b, F] or [b, h, w, F]), all from a single forward pass.
+
+    Equal to ``backbone.pooled(pixel_values, pooling, layers)`` for each request. ``layers=None`` means the
+    last block, which is the same tokens as ``[depth - 1]`` through the final norm, so it joins the union.
+    """
+    if not requests:
+        raise InvalidOptionError("pooled_many needs at least one (pooling, layers) request")
+    resolved: list[tuple[Pooling, list[int] | None]] = []
+    for pooling, layers in requests:
+        chosen = check_pooling(pooling)
+        resolved.append((chosen, backbone.resolve_layers(list(layers) if layers is not None else None)))
+    union = sorted({i for _, layers in resolved for i in (layers or [backbone.depth - 1])})
+    if any(pooling == "pooler" for pooling, _ in resolved):  # the model's own head: the whole network
+        features = backbone.features(pixel_values, layers=union)
+        return [pool(features, pooling, layers) for pooling, layers in resolved]
+    tokens = backbone.layer_features(pixel_values, union)  # stops at the deepest block of the union
+    return [
+        pool_layers(tokens, pooling, layers if layers is not None else [backbone.depth - 1])
+        for pooling, layers in resolved
+    ]
