@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
@@ -67,6 +67,7 @@ log = logging.getLogger("vitembed.service")
 DISCONNECT_POLL_S = 0.05
 DEADLINE_GRACE_S = 1.0  # the engine answers 504 itself at the deadline; this is the app's own backstop
 JSON_MEDIA_TYPE = "application/json"
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------- limits
@@ -261,7 +262,12 @@ async def embed(
         size=options.size,
         policy=options.policy,
         normalize=options.normalize,
+        heads=options.heads,
     )
+    if options.heads and wants_npy(request.headers.get("accept")):
+        raise ApiError(
+            422, "heads_need_json", "head outputs are returned in JSON: drop Accept: application/x-npy"
+        )
     outcome = await run_engine(request, engine, model, images, engine_options, deadline)
     values = int(outcome.vectors.size)
     if wants_npy(request.headers.get("accept")):
@@ -376,10 +382,19 @@ async def run_engine(
     options: EmbedOptions,
     deadline: float,
 ) -> EmbedOutcome:
-    """``engine.embed`` raced against the client's disconnect and the deadline; whichever loses is cancelled,
-    and a cancelled ticket drops the request's items still queued."""
+    """``engine.embed`` raced against the client's disconnect and the deadline (``race_client``)."""
     ticket = RequestTicket(deadline)
-    work = asyncio.ensure_future(engine.embed(model, images, options, ticket=ticket, deadline=deadline))
+    return await race_client(
+        request, ticket, engine.embed(model, images, options, ticket=ticket, deadline=deadline), deadline
+    )
+
+
+async def race_client(
+    request: Request, ticket: RequestTicket, coroutine: Coroutine[Any, Any, T], deadline: float
+) -> T:
+    """Engine work raced against the client's disconnect and the deadline; whichever loses is cancelled,
+    and a cancelled ticket drops the request's items still queued."""
+    work = asyncio.ensure_future(coroutine)
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     try:
         timeout = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
@@ -417,12 +432,16 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     """One app serving ``settings.models``. Without ``engine`` the lifespan creates one, loads and warms every
     model (in a thread) before the server accepts requests, and stops it at shutdown; an ``engine`` passed
     in belongs to the caller, who starts and stops it."""
+    from .routes_heads import heads_router  # imported here: it imports this module
+    from .routes_search import load_indexes, search_router  # imported here: it imports this module
+
     metrics = engine.metrics if engine is not None else Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
             app.state.engine = engine
+            app.state.indexes = await asyncio.to_thread(load_indexes, settings, engine)
             yield
             return
         owned = Engine(settings, metrics)
@@ -433,6 +452,7 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
             raise
         app.state.engine = owned
         try:
+            app.state.indexes = await asyncio.to_thread(load_indexes, settings, owned)
             yield
         finally:
             app.state.engine = None
@@ -451,8 +471,13 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     install_error_handlers(app)
     app.include_router(ops)
     app.include_router(v1)
+    app.include_router(search_router)
+    app.include_router(heads_router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    known_paths = frozenset(str(getattr(route, "path", "")) for route in (*ops.routes, *v1.routes))
+    known_paths = frozenset(
+        str(getattr(route, "path", ""))
+        for route in (*ops.routes, *v1.routes, *search_router.routes, *heads_router.routes)
+    )
     app.add_middleware(RequestContextMiddleware, metrics=metrics, known_paths=known_paths)  # last = outermost
     app.openapi = lambda: _openapi_with_body_schemas(app)  # type: ignore[method-assign]
     return app

@@ -17,14 +17,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Any
 
 from vit_backbone.preprocess import Prepared
 
 log = logging.getLogger(__name__)
 
-BatchKey = tuple[tuple[int, int], str, tuple[int, ...] | None, bool]  # grid, pooling, layers, normalize
+# grid, pooling, layers, normalize, heads computed from the same forward pass
+BatchKey = tuple[tuple[int, int], str, tuple[int, ...] | None, bool, tuple[str, ...]]
 
 
 class QueueFullError(Exception):
@@ -62,7 +62,7 @@ class WorkItem:
     key: BatchKey
     tokens: int  # sequence length of this item (patches + prefix tokens)
     ticket: RequestTicket
-    future: Future[np.ndarray] = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)  # one row of what RunBatch returns
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -90,7 +90,7 @@ class Admission:
         return self._used
 
 
-RunBatch = Callable[[Sequence[WorkItem]], np.ndarray]  # -> [b, ...] rows in item order
+RunBatch = Callable[[Sequence[WorkItem]], Sequence[Any]]  # -> b rows in item order (arrays, or tuples)
 
 
 class DynamicBatcher:

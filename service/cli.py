@@ -21,6 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from catalog.cli import configure_embed_catalog, run_embed_catalog
+from catalog.index_cli import (
+    configure_eval,
+    configure_index,
+    configure_search,
+    run_eval,
+    run_index,
+    run_search,
+)
 from vit_backbone.architectures import (
     STANDARD_ARCHS,
     Arch,
@@ -31,6 +40,7 @@ from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cos
 from vit_backbone.errors import ModelNotFoundError, UnsupportedModelError, VitEmbedError
 from vit_backbone.safetensors_io import count_params_from_safetensors
 
+from .heads_cmd import configure_heads, run_heads
 from .serve_cmd import SettingsError, configure_serve, run_serve
 
 PROG = "vitembed"
@@ -275,6 +285,31 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="architecture, parameter count and the cost of input sizes (tokens, GFLOPs, attention)",
         configure=_configure_inspect,
         run=_cmd_inspect,
+    ),
+    "embed-catalog": Subcommand(
+        help="embed a folder or manifest of images into resumable Parquet shards (local or Ray)",
+        configure=configure_embed_catalog,
+        run=run_embed_catalog,
+    ),
+    "index": Subcommand(
+        help="similar-item index (LanceDB) from catalogs: build, add (upsert by id), delete",
+        configure=configure_index,
+        run=run_index,
+    ),
+    "search": Subcommand(
+        help="top-k similar items of an index for query images or a vector",
+        configure=configure_search,
+        run=run_search,
+    ),
+    "eval": Subcommand(
+        help="quality evaluations: retrieval (Fashion-MNIST R@1, R@10, mAP through LanceDB)",
+        configure=configure_eval,
+        run=run_eval,
+    ),
+    "heads": Subcommand(
+        help="frozen heads (linear probe, kNN, per-patch) on a backbone's features: train, predict, show",
+        configure=configure_heads,
+        run=run_heads,
     ),
 }
 

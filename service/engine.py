@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from .batcher import (
     WorkItem,
 )
 from .metrics import Metrics
+from .served_heads import BoundHead, bind_heads, get_head, head_outputs, pool_requests, select_heads
 from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ SLOWER_VETO = 1.25  # auto precision: keep float32 only if bfloat16 took > 1.25x
 
 __all__ = [
     "CancelledWorkError",
+    "ClassifyOutcome",
     "DeadlineExceededError",
     "EmbedOptions",
     "EmbedOutcome",
@@ -77,6 +79,7 @@ class EmbedOptions:
     size: tuple[int, int] | None = None
     policy: str | None = None
     normalize: bool = False
+    heads: tuple[str, ...] = ()  # heads computed from the same forward pass
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,16 @@ class EmbedOutcome:
     policy: str
     normalized: bool
     interpolation: str
+    precision: str
+    heads: tuple[BoundHead, ...] = ()
+    head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
+
+
+@dataclass(frozen=True)
+class ClassifyOutcome:
+    head: BoundHead
+    outputs: list[np.ndarray]  # per image: probabilities [C], or logits [h, w, C] for a patch head
+    source_sizes: list[tuple[int, int]]  # (H, W) of each input image
     precision: str
 
 
@@ -129,6 +142,7 @@ class Engine:
         self.admission = Admission(settings.queue_size)
         self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
         self._served: dict[str, _Served] = {}
+        self._heads: dict[str, BoundHead] = {}
         self._ready = False
 
     # ----------------------------------------------------------------- lifecycle
@@ -157,6 +171,7 @@ class Engine:
             )
             self._served[name] = _Served(name, backbone, preprocessor, batcher, precision)
             log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision)
+        self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
         self._ready = True
 
     def _choose_precision(self, name: str, backbone: Backbone) -> str:
@@ -218,10 +233,22 @@ class Engine:
         return list(self._served) or list(self.settings.models)
 
     def model_infos(self) -> dict[str, dict[str, Any]]:
-        return {
-            name: {**served.backbone.info().to_dict(), "precision": served.precision}
-            for name, served in self._served.items()
-        }
+        """Each model's facts and precision, plus ``heads`` (name -> card) for a model that has heads."""
+        infos: dict[str, dict[str, Any]] = {}
+        for name, served in self._served.items():
+            infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision}
+            heads = {h.name: h.card.to_dict() for h in self._heads.values() if h.model == name}
+            if heads:
+                infos[name]["heads"] = heads
+        return infos
+
+    @property
+    def head_names(self) -> list[str]:
+        return list(self._heads)
+
+    def bound_head(self, name: str) -> BoundHead:
+        """The served head ``name`` (404 ``head_not_found`` otherwise)."""
+        return get_head(self._heads, name)
 
     def _get(self, model: str) -> _Served:
         if not self._ready:
@@ -254,15 +281,66 @@ class Engine:
         pooling = check_pooling(options.pooling or bb.defaults.pooling)
         layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
         policy = bb.check_policy(options.policy)
+        heads = select_heads(self._heads, options.heads, model, policy, options.size)
         if options.size is not None:
             self._check_size(served, policy, options.size)
         prepared = await self._prepare_all(served, images, policy, options.size)
-        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize)
+        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, options.heads)
+        rows = await self._run(served, prepared, key_tail, ticket, deadline)
+        outputs = [row[1] for row in rows] if heads else []
+        vectors = [row[0] for row in rows] if heads else rows
+        return EmbedOutcome(
+            vectors=np.stack(vectors) if rows else np.zeros((0, bb.output_dim(pooling, layers)), np.float32),
+            grids=[p.grid for p in prepared],
+            model=model,
+            revision=bb.checkpoint.revision,
+            preprocess_hash=bb.preprocess_config.hash(),
+            pooling=pooling,
+            layers=layers,
+            policy=policy,
+            normalized=options.normalize,
+            interpolation=bb.info_interpolation,
+            precision=served.precision,
+            heads=heads,
+            head_outputs=outputs,
+        )
+
+    async def classify(
+        self, head: str, images: Sequence[bytes], *, ticket: RequestTicket, deadline: float
+    ) -> ClassifyOutcome:
+        """One head's outputs: images prepared as the head was trained, its features, its probabilities."""
+        if not self._ready:
+            raise NotReadyError("models are still loading")
+        bound = get_head(self._heads, head)
+        served = self._get(bound.model)
+        inputs = bound.inputs
+        if inputs.size is not None:
+            self._check_size(served, inputs.policy, inputs.size)
+        prepared = await self._prepare_all(served, images, inputs.policy, inputs.size)
+        layers = None if inputs.layers is None else tuple(inputs.layers)
+        rows = await self._run(served, prepared, (inputs.pooling, layers, False, (head,)), ticket, deadline)
+        return ClassifyOutcome(
+            head=bound,
+            outputs=[row[1][head] for row in rows],
+            source_sizes=[p.source_size for p in prepared],
+            precision=served.precision,
+        )
+
+    async def _run(
+        self,
+        served: _Served,
+        prepared: Sequence[Prepared],
+        key_tail: tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]],
+        ticket: RequestTicket,
+        deadline: float,
+    ) -> list[Any]:
+        """Queue one request's images for the forward thread and wait for their rows, in input order."""
+        prefix = served.backbone.prefix_tokens
         items = [
             WorkItem(
                 prepared=p,
                 key=(p.grid, *key_tail),
-                tokens=p.grid[0] * p.grid[1] + bb.prefix_tokens,
+                tokens=p.grid[0] * p.grid[1] + prefix,
                 ticket=ticket,
             )
             for p in prepared
@@ -282,20 +360,8 @@ class Engine:
             ticket.cancel()  # client gone or the task cancelled: drop what is still queued
             results.add_done_callback(_consume)  # nobody awaits it any more; don't log it as lost
             raise
-        self.metrics.images.labels(model).inc(len(items))
-        return EmbedOutcome(
-            vectors=np.stack(rows) if rows else np.zeros((0, bb.output_dim(pooling, layers)), np.float32),
-            grids=[p.grid for p in prepared],
-            model=model,
-            revision=bb.checkpoint.revision,
-            preprocess_hash=bb.preprocess_config.hash(),
-            pooling=pooling,
-            layers=layers,
-            policy=policy,
-            normalized=options.normalize,
-            interpolation=bb.info_interpolation,
-            precision=served.precision,
-        )
+        self.metrics.images.labels(served.name).inc(len(items))
+        return list(rows)
 
     def _check_size(self, served: _Served, policy: str, size: tuple[int, int]) -> None:
         """A size that no image can satisfy is the request's fault, not one image's: refuse it before
@@ -344,17 +410,26 @@ class Engine:
         return prepared
 
     # ----------------------------------------------------------------- the forward thread
-    def _forward(self, backbone: Backbone, items: Sequence[WorkItem]) -> np.ndarray:
-        _, pooling, layers, normalize = items[0].key
+    def _forward(self, backbone: Backbone, items: Sequence[WorkItem]) -> Sequence[Any]:
+        """Rows [F] (or [h, w, F]); with heads, (row, {head: output}) pairs from the same forward pass."""
+        _, pooling, layers, normalize, head_names = items[0].key
         pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
         pixel_values = to_device(pixel_values, backbone.device)  # pinned + non-blocking on CUDA
-        pooled = backbone.pooled(
-            pixel_values, check_pooling(pooling), None if layers is None else list(layers)
-        )
+        chosen_layers = None if layers is None else list(layers)
+        heads = [self._heads[name] for name in head_names]
+        if heads:
+            requests, where = pool_requests(check_pooling(pooling), chosen_layers, heads)
+            features = backbone.pooled_many(pixel_values, requests)  # one forward pass for all of them
+            pooled = features[0]
+        else:
+            pooled = backbone.pooled(pixel_values, check_pooling(pooling), chosen_layers)
         pooled = pooled.float()
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
-        return pooled.cpu().numpy()
+        vectors = pooled.cpu().numpy()  # [b, F] or [b, h, w, F]
+        if not heads:
+            return list(vectors)
+        return list(zip(vectors, head_outputs(heads, features, where), strict=True))
 
     def _record_drop(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()

@@ -12,7 +12,7 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -38,8 +38,10 @@ OPTION_NAMES = (
     "dtype",
     "encoding",
     "return_grid",
+    "heads",
 )
 _MAX_LAYERS = 64
+_MAX_HEADS = 16
 _BASE64_WHITESPACE = str.maketrans("", "", " \t\r\n")
 _INTS = re.compile(r"^\s*-?\d{1,6}\s*(,\s*-?\d{1,6}\s*)*$")
 
@@ -76,6 +78,21 @@ class EmbedOptionsIn(BaseModel):
     return_grid: bool | None = Field(
         None, description="include each image's patch grid (h, w); default: only for pooling=patch"
     )
+    heads: tuple[str, ...] = Field(
+        (), description="served heads to run on the same forward pass: a,b (a list in JSON)"
+    )
+
+    @field_validator("heads", mode="before")
+    @classmethod
+    def _parse_heads(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [name.strip() for name in value.split(",")] if value.strip() else []
+        if isinstance(value, list | tuple):
+            if len(value) > _MAX_HEADS:
+                raise ValueError(f"heads must name at most {_MAX_HEADS} heads")
+            if any(not isinstance(v, str) or not 1 <= len(v) <= 64 for v in value):
+                raise ValueError("heads must be names of 1 to 64 characters")
+        return value
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -121,6 +138,7 @@ class EmbedQuery(BaseModel):
     dtype: str | None = Field(None, description="float32 | float16")
     encoding: str | None = Field(None, description="float | base64")
     return_grid: str | None = Field(None, description="true | false")
+    heads: str | None = Field(None, description="served heads, comma-separated: a,b")
 
 
 class ImageIn(BaseModel):
@@ -323,10 +341,12 @@ def _strip_data_prefix(text: str) -> str:
     return text
 
 
-def parse_multipart(body: bytes, content_type: str, max_images: int) -> tuple[list[bytes], dict[str, Any]]:
-    """multipart/form-data → (parts named ``image`` in order, option fields). Parsed from memory with
-    python-multipart's low-level parser, so that image parts arrive as bytes whether or not they carry a
-    filename (Starlette's form parser turns filename-less parts into text)."""
+def parse_multipart(
+    body: bytes, content_type: str, max_images: int, option_names: Sequence[str] = OPTION_NAMES
+) -> tuple[list[bytes], dict[str, Any]]:
+    """multipart/form-data → (parts named ``image`` in order, option fields named in ``option_names``).
+    Parsed from memory with python-multipart's low-level parser, so that image parts arrive as bytes whether
+    or not they carry a filename (Starlette's form parser turns filename-less parts into text)."""
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
@@ -358,7 +378,7 @@ def parse_multipart(body: bytes, content_type: str, max_images: int) -> tuple[li
 
     def on_part_end() -> None:
         parts.append((current["disposition"], current["data"]))
-        if len(parts) > max_images + len(OPTION_NAMES):
+        if len(parts) > max_images + len(option_names):
             raise ApiError(413, "too_many_images", f"too many parts; the limit is {max_images} images")
 
     callbacks: Any = {
@@ -391,11 +411,11 @@ def parse_multipart(body: bytes, content_type: str, max_images: int) -> tuple[li
         if name == "image":
             images.append(bytes(data))
             continue
-        if name not in OPTION_NAMES:
+        if name not in option_names:
             raise ApiError(
                 422,
                 "invalid_request",
-                f"unknown form field {name[:64]!r}; options: {', '.join(OPTION_NAMES)}",
+                f"unknown form field {name[:64]!r}; options: {', '.join(option_names)}",
             )
         if name in fields:
             raise ApiError(422, "invalid_request", f"the option {name!r} is given twice")

@@ -19,6 +19,7 @@ import numpy as np
 from .engine import EmbedOutcome
 from .errors import ApiError
 from .metrics import Metrics
+from .served_heads import heads_json
 
 T = TypeVar("T")
 
@@ -99,6 +100,8 @@ def embed_json(outcome: EmbedOutcome, *, dtype: str, encoding: str, return_grid:
         }
         if with_grid:
             item["grid"] = list(outcome.grids[index])
+        if outcome.heads:  # computed from the same forward pass as the embedding
+            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index], index)
         data.append(item)
     return dumps(
         {

@@ -48,16 +48,38 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         help="a model to serve (repeatable): NAME=folder|hub-id|embedded, or a bare folder (named after it); "
         "default: the embedded backbone as 'embedded'",
     )
+    parser.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        metavar="NAME=DB_PATH:TABLE",
+        help="a similarity index to serve on POST /v1/search (repeatable): a table built by `vitembed index "
+        "build`, embedded by one of the served models",
+    )
+    parser.add_argument(
+        "--head",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a frozen head to serve (repeatable): HEAD.safetensors, HEAD.json or a folder from `vitembed "
+        "heads train`; it runs on the served model with its revision and preprocessing (POST /v1/classify)",
+    )
     for flag, (_, kind, help_text) in _FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_text)
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from .settings import parse_model_args
+    from .settings import parse_index_args, parse_model_args
 
     overrides: dict[str, Any] = {}
     if args.model:
         overrides["models"] = parse_model_args(args.model)
+    if getattr(args, "index", None):
+        overrides["indexes"] = parse_index_args(args.index)
+    if getattr(args, "head", None):
+        from .heads_cmd import parse_head_args
+
+        overrides["heads"] = parse_head_args(args.head)
     for _, (field, _, _) in _FLAGS.items():
         value = getattr(args, field, None)
         if value is not None:
@@ -75,6 +97,17 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServiceSettings(**settings_overrides(args))
     except (ValidationError, ValueError) as exc:
         raise SettingsError(_first_error(exc)) from exc
+    if settings.indexes:  # before loading any weights: a table no served model can query stops start-up
+        from .routes_search import preflight_indexes
+
+        preflight_indexes(settings)
+    if settings.heads:  # before loading any weights: a head that fits no served model stops start-up
+        from .served_heads import preflight_heads
+
+        try:
+            preflight_heads(settings)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
     try:
         import uvicorn
 

@@ -20,6 +20,10 @@ class ServiceSettings(BaseSettings):
 
     # name -> local folder, hub id or "embedded"; env: VITEMBED_MODELS='{"embedded": "embedded"}'
     models: dict[str, str] = Field(default_factory=lambda: {"embedded": "embedded"})
+    # similar-item search: name -> "DB_PATH:TABLE"; env: VITEMBED_INDEXES='{"products": "/data/db:products"}'
+    indexes: dict[str, str] = Field(default_factory=dict)
+    # frozen heads: name -> HEAD.safetensors / HEAD.json / folder; env: VITEMBED_HEADS='{"kind": "/h/kind"}'
+    heads: dict[str, str] = Field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     cache_dir: Path | None = None  # where the embedded checkpoint is converted; default ~/.cache/vitembed
@@ -58,6 +62,23 @@ class ServiceSettings(BaseSettings):
                 raise ValueError(f"model name {name!r} must be non-empty, without '/' or surrounding spaces")
         return value
 
+    @field_validator("indexes")
+    @classmethod
+    def _indexes_well_formed(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, target in value.items():
+            if not name or "/" in name or name.strip() != name:
+                raise ValueError(f"index name {name!r} must be non-empty, without '/' or surrounding spaces")
+            split_index_target(target)
+        return value
+
+    @field_validator("heads")
+    @classmethod
+    def _head_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not name or name.strip() != name or "/" in name or "," in name or not path:
+                raise ValueError(f"head {name!r}: a name without '/', ',' or surrounding spaces, and a path")
+        return value
+
     @model_validator(mode="after")
     def _batch_fits_queue(self) -> ServiceSettings:
         if self.max_images_per_request > self.queue_size:
@@ -82,3 +103,25 @@ def parse_model_args(values: list[str]) -> dict[str, str]:
             raise ValueError(f"--model: the name {name!r} is given twice")
         models[name] = target
     return models
+
+
+def split_index_target(target: str) -> tuple[str, str]:
+    """``DB_PATH:TABLE`` → (database folder, table name); the last ``:`` separates them."""
+    db, sep, table = target.rpartition(":")
+    if not sep or not db or not table or "/" in table:
+        raise ValueError(f"index {target!r}: expected DB_PATH:TABLE, e.g. /data/lancedb:products")
+    return db, table
+
+
+def parse_index_args(values: list[str]) -> dict[str, str]:
+    """``--index NAME=DB_PATH:TABLE`` (repeatable)."""
+    indexes: dict[str, str] = {}
+    for value in values:
+        name, sep, target = value.partition("=")
+        if not sep or not name or not target:
+            raise ValueError(f"--index {value!r}: expected NAME=DB_PATH:TABLE")
+        if name in indexes:
+            raise ValueError(f"--index: the name {name!r} is given twice")
+        split_index_target(target)
+        indexes[name] = target
+    return indexes

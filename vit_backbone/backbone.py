@@ -284,6 +284,14 @@ class Backbone:
             return pool(self.features(pixel_values, layers=layers), pooling, layers)
         return pool_layers(self.layer_features(pixel_values, layers), pooling, layers)
 
+    def pooled_many(
+        self, pixel_values: torch.Tensor, requests: Sequence[tuple[Pooling, Sequence[int] | None]]
+    ) -> list[torch.Tensor]:
+        """Several (pooling, layers) features from ONE forward pass (an embedding plus head inputs)."""
+        from .pool_requests import pooled_many
+
+        return pooled_many(self, pixel_values, requests)
+
     def _split(self, tokens: torch.Tensor, grid: tuple[int, int]) -> LayerTokens:
         batch, _, dim = tokens.shape  # [B, P + h*w, D]
         cls = tokens[:, 0] if self.spec.has_cls else None  # [B, D]

@@ -246,6 +246,9 @@ async def test_every_endpoint_is_in_the_openapi_schema(server: Server) -> None:
         "/v1/models",
         "/v1/embed",
         "/v1/embeddings",
+        "/v1/search",
+        "/v1/indexes",
+        "/v1/classify",
     }
     embed = schema["paths"]["/v1/embed"]["post"]
     assert set(embed["requestBody"]["content"]) == {"multipart/form-data", "application/json"}

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # fixtures' types (tests/service/conftest.py)
 pytestmark = pytest.mark.anyio
 Err = Callable[[httpx.Response], dict[str, Any]]
 ACCEPTED = "JPEG, PNG, WEBP, GIF, BMP, TIFF"
-OPTIONS = "model, pooling, layers, size, policy, normalize, dtype, encoding, return_grid"
+OPTIONS = "model, pooling, layers, size, policy, normalize, dtype, encoding, return_grid, heads"
 
 
 async def assert_next_good_request_is_fast(server: Server, images: Images) -> None:
