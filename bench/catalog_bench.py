@@ -212,7 +212,7 @@ def main() -> int:
         mean_kb = statistics.mean(p.stat().st_size for p in paths) / 1024
         backbone = load_backbone("embedded")
         wait_for_idle(0.3, 600)
-        chosen = choose_precision(backbone, args.precision)  # the catalog's own rule, on this machine
+        chosen = choose_precision(backbone, args.precision).label  # the catalog's own rule, on this machine
         native = cpu_has_native_bf16() or args.precision == "bfloat16"
         precisions = ["float32"] if args.precision == "float32" or not native else ["float32", "bfloat16"]
         pixels, _ = stack(

@@ -1,9 +1,10 @@
 """``vitembed embed-catalog``: argument parsing and the run function registered in service/cli.py.
 
 Heavy imports (torch, the model, pyarrow, ray) happen inside ``run_embed_catalog`` so that ``vitembed
---help`` stays instant. Ctrl-C asks the job to stop: rows already embedded are committed and the command
-exits with status 130; running it again with the same arguments resumes. A second Ctrl-C aborts at once
-(the next run still resumes from the last committed shard).
+--help`` stays instant. Ctrl-C (SIGINT) or SIGTERM asks the job to stop: rows already embedded are
+committed and the command exits with status 130 (SIGINT) or 143 (SIGTERM), the shell's 128 + signal
+number; running it again with the same arguments resumes. A second signal aborts at once, without a
+traceback (the next run still resumes from the last committed shard).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-EXIT_INTERRUPTED = 130  # the shell's convention for "stopped by SIGINT"
+from .stop_signals import EXIT_CODES, StopOnSignals
+
+if TYPE_CHECKING:
+    from vit_backbone.backbone import Backbone
+
+    from .meta import CatalogMeta
+    from .output import JobFile
+
 POOLING_CHOICES = ("cls", "pooler", "mean", "cls_mean", "gem", "linear_eval")
 POLICY_CHOICES = ("crop", "squash", "pad", "dynamic")
 
@@ -47,13 +54,22 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype")
     parser.add_argument(
         "--precision",
-        choices=("auto", "float32", "bfloat16"),
+        choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
-        help="compute precision; auto = bfloat16 autocast only where native, faster and cosine ≥ 0.999",
+        help="compute precision; auto (the server's rule) = bfloat16 autocast only where native, not "
+        "slower and cosine ≥ 0.999 to float32; --engine ray needs an explicit one; float16 needs CUDA",
     )
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
-    parser.add_argument("--batch-size", type=int, default=16, help="images per forward pass (default 16)")
-    parser.add_argument("--workers", type=int, default=2, help="decode/preprocess threads (default 2)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="images per forward pass (default 8, the fastest measured)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="decode/preprocess threads (default 2); with --engine ray the concurrent decode tasks "
+        "(default: Ray Data decides)",
+    )
     parser.add_argument("--shard-size", type=int, default=4096, metavar="ROWS", help="rows per Parquet shard")
     parser.add_argument("--engine", choices=("local", "ray"), default="local", help="default local")
     parser.add_argument(
@@ -66,16 +82,24 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         help="Ray embedder actors (default: one per GPU, or 1 without GPUs)",
     )
     parser.add_argument("--progress", action="store_true", help="show the progress bar even off a terminal")
+    parser.add_argument(
+        "--retry-errors",
+        nargs="*",
+        metavar="CODE",
+        help="before running, drop these codes (all when none is given) from errors.jsonl so those images "
+        "are tried again, e.g. --retry-errors read_error internal_error",
+    )
 
 
 def parse_model(arg: str) -> tuple[str, str]:
     """``NAME=TARGET`` → (NAME, TARGET); a folder → (its name, path); anything else names itself."""
     name, sep, target = arg.partition("=")
     if sep and name and "/" not in name and target:
-        return name, target
+        folder = Path(target).expanduser()
+        return name, str(folder.resolve()) if folder.is_dir() else target
     folder = Path(arg).expanduser()
-    if folder.is_dir():
-        return folder.resolve().name, str(folder)
+    if folder.is_dir():  # absolute, so Ray workers (other working directories) load the same folder
+        return folder.resolve().name, str(folder.resolve())
     return arg, arg
 
 
@@ -104,130 +128,164 @@ def parse_layers(values: list[str] | None) -> tuple[int, ...] | None:
         ) from None
 
 
-class _StopOnSigint:
-    """First Ctrl-C: set ``stop`` (the job commits and returns). Second: the default (abort)."""
-
-    def __init__(self, stop: threading.Event) -> None:
-        self.stop = stop
-        self.previous: Any = None
-
-    def __enter__(self) -> _StopOnSigint:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+def run_embed_catalog(args: argparse.Namespace) -> int:
+    stopper = StopOnSignals(threading.Event())
+    try:
+        return _run(args, stopper)
+    except KeyboardInterrupt:
+        signum = stopper.received or signal.SIGINT
         print(
-            "\nstopping: committing the rows embedded so far (Ctrl-C again to abort now)",
+            "\naborted: rows in committed shards and errors.jsonl are kept; run the same command again to "
+            "resume",
             file=sys.stderr,
             flush=True,
         )
-        self.stop.set()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        return EXIT_CODES[signal.Signals(signum)]
 
 
-def run_embed_catalog(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
     from vit_backbone.errors import InvalidOptionError, MissingExtraError
 
     try:
         size, layers = parse_size(args.size), parse_layers(args.layers)
         from .job import RunSettings
 
-        settings = RunSettings(batch_size=args.batch_size, workers=args.workers, shard_size=args.shard_size)
+        workers = 2 if args.workers is None or args.engine == "ray" else args.workers
+        settings = RunSettings(batch_size=args.batch_size, workers=workers, shard_size=args.shard_size)
     except ValueError as exc:
         raise InvalidOptionError(str(exc)) from exc
     if args.engine == "local" and (args.ray_address or args.actors):
         raise InvalidOptionError("--ray-address and --actors need --engine ray")
-    if args.actors is not None and args.actors < 1:
-        raise InvalidOptionError("--actors must be at least 1")
+    for flag, value in (("--actors", args.actors), ("--workers", args.workers)):
+        if value is not None and value < 1:
+            raise InvalidOptionError(f"{flag} must be at least 1")
     if args.engine == "ray":
         from .ray_engine import require_ray
 
         require_ray()
+        if args.precision == "auto":
+            raise InvalidOptionError(
+                "--engine ray needs an explicit --precision (float32, bfloat16 or float16): auto would "
+                "measure this machine, not the Ray workers that run the model"
+            )
     try:
         import pyarrow  # noqa: F401
     except ImportError as exc:
         raise MissingExtraError("vitembed embed-catalog", "catalog") from exc
+    from .progress import require_tqdm
+
+    require_tqdm()
+    return _embed(args, stopper, settings, size, layers)
+
+
+def _embed(
+    args: argparse.Namespace,
+    stopper: StopOnSignals,
+    settings: Any,
+    size: tuple[int, int] | None,
+    layers: tuple[int, ...] | None,
+) -> int:
+    import dataclasses
 
     from vit_backbone import load_backbone
-    from vit_backbone.precision import pick_device
+    from vit_backbone.errors import InvalidOptionError
+    from vit_backbone.precision import autocast_dtype, pick_device
 
-    from .output import EmbedSpec, JobRecord, check_existing, open_output, resolve_meta, stored_precision
-    from .precision import choose_precision
+    from .output import (
+        EmbedSpec,
+        JobRecord,
+        OutputLock,
+        check_existing,
+        open_output,
+        read_job_file,
+        resolve_meta,
+    )
     from .progress import ProgressBar
     from .sources import open_source
 
     name, target = parse_model(args.model)
-    spec = EmbedSpec(
-        pooling=args.pooling,
-        layers=layers,
-        size=size,
-        policy=args.policy,
-        normalize=args.normalize,
-        dtype=args.dtype,
-        precision=args.precision,
-    )
+    spec = EmbedSpec(args.pooling, layers, size, args.policy, args.normalize, args.dtype, args.precision)
     source = open_source(args.source)
     try:
         device = pick_device(args.device)
+        if args.engine == "local":
+            autocast_dtype(args.precision, device)  # float16 without CUDA: refused before any file is made
     except ValueError as exc:
         raise InvalidOptionError(str(exc)) from exc
     backbone = load_backbone(target, device=device)
     meta = resolve_meta(backbone, name, spec)
     out = Path(args.out).expanduser().resolve()
     record = JobRecord(
-        source=source.location,
-        source_kind=source.kind,
-        extra_columns=list(source.extra_columns),
-        precision=args.precision,
-        precision_used="",
-        items=len(source.items),
+        source.location, source.kind, source.extra_columns, args.precision, "", len(source.items)
     )
     if out.is_dir():
-        check_existing(out, meta, record)  # refuse other options before spending time on the precision probe
-    precision = stored_precision(out) if out.is_dir() else None
-    if precision is None:
+        check_existing(out, meta, record)  # refuse other options before creating the lock file
+    with OutputLock(out):
+        found = read_job_file(out)
+        if found is not None:
+            check_existing(out, meta, record)  # again, under the lock
+        precision, meta = _precision(args, backbone, meta, found, settings.batch_size, size)
+        record = dataclasses.replace(record, precision_used=precision)
+        state = open_output(out, meta, record, source, retry=_retry(args.retry_errors))
+        print(
+            f"embed-catalog: {len(source.items)} images in {source.location} ({len(state.done)} already done"
+            f"{f', {state.retried} failures to retry' if state.retried else ''}) -> {out}; model {name} "
+            f"({meta.revision}), pooling {meta.pooling}, layers {meta.layers}, policy {meta.policy}, "
+            f"dim {meta.dim}, {meta.dtype}, compute {precision}, engine {args.engine}",
+            file=sys.stderr,
+            flush=True,
+        )
+        todo = len(source.items) - len(state.done)
+        with stopper, ProgressBar(todo, force=args.progress) as bar:
+            if args.engine == "ray":
+                from .ray_engine import RayOptions, run_ray
+
+                ray_options = RayOptions(
+                    args.ray_address, args.actors, target, precision, "auto", args.workers
+                )
+                summary = run_ray(
+                    backbone, source, state, settings, ray_options, stop=stopper.stop, progress=bar.update
+                )
+            else:
+                from .job import run_local
+
+                summary = run_local(backbone, source, state, settings, stop=stopper.stop, progress=bar.update)
+    print(summary.line(), flush=True)
+    if not summary.interrupted:
+        return 0
+    return EXIT_CODES[signal.Signals(stopper.received or signal.SIGINT)]
+
+
+def _precision(
+    args: argparse.Namespace,
+    backbone: Backbone,
+    meta: CatalogMeta,
+    found: JobFile | None,
+    batch_size: int,
+    size: tuple[int, int] | None,
+) -> tuple[str, CatalogMeta]:
+    """The compute precision and the meta recording it: a resumed catalog keeps its stored choice (one
+    catalog never mixes precisions); the Ray engine takes the explicit one (each actor applies it on its
+    own hardware); otherwise the shared rule measures this machine with the job's options."""
+    import dataclasses
+
+    from vit_backbone.errors import InvalidOptionError
+
+    from .precision import apply_precision, choose_precision
+
+    if found is not None and found.record.precision_used:
+        apply_precision(backbone, found.record.precision_used)
+        return found.record.precision_used, dataclasses.replace(meta, precision=found.meta.precision)
+    if args.engine == "ray":
+        precision = args.precision
+    else:
+        options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
         try:
-            precision = choose_precision(
-                backbone,
-                args.precision,
-                pooling=meta.pooling,
-                layers=meta.layers,
-                size=size,
-                policy=meta.policy,
-            )
+            precision = choose_precision(backbone, args.precision, batch_size=batch_size, **options).label
         except ValueError as exc:
             raise InvalidOptionError(str(exc)) from exc
-    else:
-        from .precision import apply_precision
+    return precision, dataclasses.replace(meta, precision=precision)
 
-        apply_precision(backbone, precision)
-    record = JobRecord(**{**record.__dict__, "precision_used": precision})
-    state = open_output(out, meta, record, source)
-    todo = len(source.items) - len(state.done)
-    print(
-        f"embed-catalog: {len(source.items)} images in {source.location} ({len(state.done)} already done) "
-        f"-> {out}; model {name} ({meta.revision}), pooling {meta.pooling}, layers {meta.layers}, "
-        f"policy {meta.policy}, dim {meta.dim}, {meta.dtype}, compute {precision}, engine {args.engine}",
-        file=sys.stderr,
-        flush=True,
-    )
-    stop = threading.Event()
-    with _StopOnSigint(stop), ProgressBar(todo, force=args.progress) as bar:
-        if args.engine == "ray":
-            from .ray_engine import RayOptions, run_ray
 
-            options = RayOptions(
-                address=args.ray_address, actors=args.actors, model=target, precision=precision
-            )
-            summary = run_ray(backbone, source, state, settings, options, stop=stop, progress=bar.update)
-        else:
-            from .job import run_local
-
-            summary = run_local(backbone, source, state, settings, stop=stop, progress=bar.update)
-    print(summary.line(), flush=True)
-    return EXIT_INTERRUPTED if summary.interrupted else 0
+def _retry(codes: list[str] | None) -> tuple[str, ...] | None:
+    return None if codes is None else tuple(codes)

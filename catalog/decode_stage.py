@@ -8,13 +8,17 @@ and ``internal_error`` for anything unexpected — which is recorded too, never 
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
 
 from vit_backbone.errors import ImageDecodeError, VitEmbedError
 from vit_backbone.preprocess import Prepared, Preprocessor, ResizePolicy
 
 from .error_log import ItemFailure
 from .sources import SourceItem
+
+READ_CHUNK = 1 << 20
+INVALID_NAME = "invalid_name"
 
 
 class ItemError(Exception):
@@ -26,21 +30,34 @@ class ItemError(Exception):
 
 
 def read_file(path: str, max_bytes: int) -> bytes:
-    """The file's bytes; a file over the decoder's byte limit is refused before it is read into memory."""
-    file = Path(path)
+    """The file's bytes, at most ``max_bytes`` (more is ``too_large``). Only regular files are read: a
+    FIFO or device would block or never end, a directory is no image (``read_error``). The size is
+    found by reading at most ``max_bytes + 1`` bytes, never from ``st_size`` (0 for /proc-like files,
+    stale on some network mounts); ``O_NONBLOCK`` keeps the open itself from blocking on a FIFO."""
     try:
-        size = file.stat().st_size
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError) as exc:
+        raise _ReadError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _ReadError(f"cannot read {path}: not a regular file")
+        chunks: list[bytes] = []
+        remaining = max_bytes + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, READ_CHUNK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
     except OSError as exc:
         raise _ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if size > max_bytes:
+    finally:
+        os.close(fd)
+    if remaining <= 0:
         raise ImageDecodeError(
-            f"the file has {size} bytes, over the limit of {max_bytes}; re-encode it smaller",
-            code="too_large",
+            f"the file has more than {max_bytes} bytes, the limit; re-encode it smaller", code="too_large"
         )
-    try:
-        return file.read_bytes()
-    except OSError as exc:
-        raise _ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return b"".join(chunks)
 
 
 class _ReadError(Exception):
@@ -66,6 +83,8 @@ def prepare_item(
     item: SourceItem, preprocessor: Preprocessor, policy: ResizePolicy, size: tuple[int, int] | None
 ) -> Prepared:
     """Read and preprocess one image exactly as the server does (``draft=True``); raises ``ItemError``."""
+    if item.invalid:
+        raise ItemError(ItemFailure(id=item.id, path=item.path, code=INVALID_NAME, message=item.invalid))
     try:
         data = read_file(item.path, preprocessor.limits.max_bytes)
         return preprocessor(data, policy=policy, size=size, draft=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import IO
 
 from .errors import CatalogError
+from .shards import fsync_dir
+from .sources import safe_text
 
 ERRORS_FILE = "errors.jsonl"
 
@@ -26,9 +28,10 @@ class ItemFailure:
     message: str
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"id": self.id, "path": self.path, "code": self.code, "message": self.message}, ensure_ascii=False
-        )
+        """One line; text UTF-8 cannot hold (surrogates from undecodable file names) is backslash-escaped,
+        so writing a record can never fail."""
+        record = {"id": self.id, "path": self.path, "code": self.code, "message": self.message}
+        return json.dumps({k: safe_text(v) for k, v in record.items()}, ensure_ascii=False)
 
 
 def read_failures(folder: Path) -> list[ItemFailure]:
@@ -75,6 +78,30 @@ class ErrorLog:
             self.sync()
             self._handle.close()
             self._handle = None
+
+
+def drop_failures(folder: Path, codes: frozenset[str] | None = None) -> list[ItemFailure]:
+    """Remove the failures with one of ``codes`` (every failure when None) from errors.jsonl, so the next
+    run tries those ids again (``--retry-errors``); returns what was removed.
+
+    The file is rewritten to a temporary file, fsynced and renamed: a crash leaves the old list or the new
+    one. Call it while holding the catalog's lock.
+    """
+    path = folder / ERRORS_FILE
+    _cut_torn_line(path)
+    failures = read_failures(folder)
+    dropped = [f for f in failures if codes is None or f.code in codes]
+    kept = [f for f in failures if not (codes is None or f.code in codes)]
+    if not dropped:
+        return []
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.writelines(f.to_json() + "\n" for f in kept)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)
+    return dropped
 
 
 def _cut_torn_line(path: Path) -> None:

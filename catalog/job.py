@@ -1,12 +1,13 @@
-"""The local engine of ``embed-catalog``: worker threads decode ahead, the calling thread runs the
-forward passes and commits shards.
+"""The local engine of ``embed-catalog``: worker threads decode ahead, the calling thread runs the forward
+passes and commits shards.
 
 Data flow: source items not yet done → ``OrderedPrefetcher`` (read + decode + preprocess on ``workers``
 threads, at most a few batches ahead) → batches of ``batch_size`` → ``Backbone.embed_prepared`` (the same
-forward and pooling as the server) → ``ShardWriter`` (rows buffered, committed every ``shard_size`` rows
-as one atomic Parquet file). Failed images go to errors.jsonl as they are met. When ``stop`` is set
-(Ctrl-C), the rows already embedded are committed and the job returns with ``interrupted=True``; a later
-run with the same arguments continues from there.
+forward and pooling as the server) → ``ShardWriter`` (rows buffered, committed every ``shard_size`` rows as
+one atomic Parquet file). Failed images go to errors.jsonl as they are met; a batch whose forward pass raises
+is retried image by image and only the images that still fail are recorded (``internal_error``). When ``stop``
+is set (Ctrl-C), the rows already embedded are committed and the job returns with ``interrupted=True``; a
+later run with the same arguments continues from there.
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ from vit_backbone.pooling import check_pooling
 from vit_backbone.preprocess import Prepared
 
 from .decode_stage import failure_for, prepare_item
-from .error_log import ErrorLog
+from .error_log import ErrorLog, ItemFailure
 from .meta import CatalogMeta
 from .output import OutputState
 from .prefetch import OrderedPrefetcher, Stopped
 from .shards import build_table, write_shard
 from .sources import Source, SourceItem
 
+INTERNAL_ERROR = "internal_error"
 ProgressFn = Callable[[int, int], None]  # (images handled since the last call, failures among them)
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    batch_size: int = 16
+    batch_size: int = 8  # the fastest model-only batch in bench/results/catalog.md
     workers: int = 2
     shard_size: int = 4096
 
@@ -122,6 +124,33 @@ def embed_batch(backbone: Backbone, meta: CatalogMeta, prepared: list[Prepared])
     )
 
 
+def embed_isolating(
+    backbone: Backbone, meta: CatalogMeta, prepared: list[Prepared]
+) -> tuple[np.ndarray, list[str]]:
+    """``embed_batch``, but a batch whose forward raises is retried one image at a time, so one image that
+    breaks the model (or runs it out of memory in a batch) fails alone. Returns ``[b, D]`` vectors (zeros
+    where failed) and one message per row ("" = embedded), for an ``internal_error`` record."""
+    try:
+        return embed_batch(backbone, meta, prepared), [""] * len(prepared)
+    except Exception as exc:
+        if len(prepared) == 1:
+            return np.zeros((1, meta.dim), dtype=np.float32), [_describe(exc)]
+    vectors = np.zeros((len(prepared), meta.dim), dtype=np.float32)  # [b, D]
+    messages = []
+    for k, one in enumerate(prepared):
+        try:
+            vectors[k] = embed_batch(backbone, meta, [one])[0]  # [D]
+            messages.append("")
+        except Exception as exc:
+            messages.append(_describe(exc))
+    return vectors, messages
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"the forward pass failed: {type(exc).__name__}" + (f": {text}" if text else "")
+
+
 def run_local(
     backbone: Backbone,
     source: Source,
@@ -153,10 +182,18 @@ def run_local(
     batch: list[Prepared] = []
 
     def forward() -> None:
-        vectors = embed_batch(backbone, meta, batch)  # [b, D]
-        writer.add(list(batch_items), vectors)
+        nonlocal failures
+        vectors, messages = embed_isolating(backbone, meta, batch)  # [b, D]
+        kept = [k for k, message in enumerate(messages) if not message]
+        for k, message in enumerate(messages):
+            if message:
+                item = batch_items[k]
+                errors.append(ItemFailure(id=item.id, path=item.path, code=INTERNAL_ERROR, message=message))
+        failures += len(batch) - len(kept)
+        if kept:
+            writer.add([batch_items[k] for k in kept], vectors[kept])
         if progress is not None:
-            progress(len(batch), 0)
+            progress(len(batch), len(batch) - len(kept))
         batch_items.clear()
         batch.clear()
 

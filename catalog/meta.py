@@ -18,6 +18,7 @@ META_KEY = b"vitembed"  # Parquet key-value metadata key holding the CatalogMeta
 FORMAT_VERSION = 1
 DTYPES = ("float32", "float16")
 # what makes two sets of vectors comparable (see embed_options_mismatch)
+OPTIONAL = ("format_version", "precision")  # keys a catalog's JSON may lack
 COMPARED = ("revision", "preprocess_hash", "pooling", "layers", "size", "policy", "normalized", "dim")
 
 
@@ -34,12 +35,17 @@ class CatalogMeta:
     dim: int
     dtype: str  # "float32" | "float16": how the vectors are stored
     format_version: int = FORMAT_VERSION
+    # compute precision the vectors were made in ("float32", "bfloat16", …); informational, not compared:
+    # bfloat16 vectors keep cosine ≥ 0.999 to float32 ones. None: a catalog written before it was recorded.
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise CatalogError(f"catalog dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
             raise CatalogError(f"catalog dim must be a positive int, got {self.dim!r}")
+        if self.precision is not None and not isinstance(self.precision, str):
+            raise CatalogError(f"catalog precision must be a string or null, got {self.precision!r}")
         if self.size is not None and len(self.size) != 2:
             raise CatalogError(f"catalog size must be [h, w] or null, got {self.size!r}")
 
@@ -51,7 +57,8 @@ class CatalogMeta:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CatalogMeta:
-        """Unknown keys are ignored (catalog.json adds the job's arguments); a missing one is an error."""
+        """Unknown keys are ignored (catalog.json adds the job's arguments); a missing required one is an
+        error; ``precision`` (added later) may be absent."""
         if not isinstance(raw, dict):
             raise CatalogError(f"catalog metadata must be a JSON object, got {type(raw).__name__}")
         version = raw.get("format_version", FORMAT_VERSION)
@@ -61,7 +68,7 @@ class CatalogMeta:
                 f"(it reads version {FORMAT_VERSION}); upgrade vitembed or re-embed the catalog"
             )
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in raw and n != "format_version"]
+        missing = [n for n in names if n not in raw and n not in OPTIONAL]
         if missing:
             raise CatalogError(f"catalog metadata lacks {', '.join(missing)}")
         values = {n: raw[n] for n in names if n in raw}
@@ -82,8 +89,9 @@ class CatalogMeta:
         """Human-readable differences in what makes vectors comparable, e.g. ``["pooling: cls != mean"]``.
 
         Compared: revision, preprocessing hash, pooling, layers, size, policy, normalisation and dim. Not
-        compared: the model *name* (the same weights may be called ``embedded`` or by a folder) and the
-        storage dtype (float16 and float32 copies of the same vectors are comparable).
+        compared: the model *name* (the same weights may be called ``embedded`` or by a folder), the
+        storage dtype (float16 and float32 copies of the same vectors are comparable) and the compute
+        precision (informational).
         """
         differences = []
         for name in COMPARED:

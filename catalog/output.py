@@ -9,9 +9,10 @@ never mix vectors that are not comparable.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from vit_backbone.backbone import Backbone
 from vit_backbone.errors import InvalidOptionError
 from vit_backbone.pooling import check_pooling
 
-from .error_log import ErrorLog
+from .error_log import ErrorLog, drop_failures
 from .errors import CatalogError
 from .meta import DTYPES, CatalogMeta
 from .shards import (
@@ -33,6 +34,7 @@ from .shards import (
 from .sources import Source
 
 CATALOG_FILE = "catalog.json"
+LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -54,22 +56,77 @@ class JobRecord:
 
     source: str
     source_kind: str
-    extra_columns: list[str]
-    precision: str  # as asked: auto | float32 | bfloat16
-    precision_used: str  # what auto resolved to on the first run; reused when resuming
+    extra_columns: tuple[str, ...]
+    precision: str  # as asked: auto | float32 | bfloat16 | float16
+    precision_used: str  # what it resolved to on the first run; reused when resuming ("" = not yet)
     items: int  # items in the source when the job first started (for information)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "extra_columns": list(self.extra_columns)}
 
-@dataclass
+    @classmethod
+    def from_dict(cls, raw: Any) -> JobRecord:
+        """Tolerant of missing keys (an older or hand-edited catalog.json): they read as empty."""
+        raw = raw if isinstance(raw, dict) else {}
+        return cls(
+            source=str(raw.get("source") or ""),
+            source_kind=str(raw.get("source_kind") or ""),
+            extra_columns=tuple(str(c) for c in raw.get("extra_columns") or ()),
+            precision=str(raw.get("precision") or ""),
+            precision_used=str(raw.get("precision_used") or ""),
+            items=int(raw.get("items") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class JobFile:
+    """``catalog.json`` as read back."""
+
+    meta: CatalogMeta
+    record: JobRecord
+
+
+@dataclass(frozen=True)
 class OutputState:
     folder: Path
     meta: CatalogMeta
     record: JobRecord
-    done: set[str] = field(default_factory=set)  # ids in committed shards or errors.jsonl
+    done: frozenset[str] = frozenset()  # ids in committed shards or errors.jsonl
     rows_before: int = 0  # rows already committed when this run started
     failures_before: int = 0
     next_shard: int = 0
     resumed: bool = False
+    retried: int = 0  # failures removed from errors.jsonl by --retry-errors, tried again now
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``DIR/.lock`` held for the whole job, so two jobs never write into one
+    catalog folder (their shard numbers and errors.jsonl lines would collide). The kernel drops the lock
+    when the process ends, however it ends, so a killed job never leaves a stale lock behind."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise CatalogError(
+                f"another embed-catalog job is writing to {self.path.parent} (it holds {self.path}); "
+                "wait for it to finish, or write to another --out folder"
+            ) from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta:
@@ -101,7 +158,7 @@ def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta
     )
 
 
-def read_job_file(folder: Path) -> tuple[CatalogMeta, dict[str, Any]] | None:
+def read_job_file(folder: Path) -> JobFile | None:
     path = folder / CATALOG_FILE
     if not path.is_file():
         return None
@@ -109,25 +166,19 @@ def read_job_file(folder: Path) -> tuple[CatalogMeta, dict[str, Any]] | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CatalogError(f"{path} is not valid JSON ({exc}); it was not written by embed-catalog") from exc
-    return CatalogMeta.from_dict(raw), dict(raw.get("job") or {})
+    return JobFile(meta=CatalogMeta.from_dict(raw), record=JobRecord.from_dict(raw.get("job")))
 
 
-def stored_precision(folder: Path) -> str | None:
-    """The precision an earlier run of this catalog resolved to (None: no earlier run)."""
-    found = read_job_file(folder)
-    return None if found is None else found[1].get("precision_used")
-
-
-def _differences(
-    meta: CatalogMeta, record: JobRecord, old_meta: CatalogMeta, old: dict[str, Any]
-) -> list[str]:
-    diffs = old_meta.embed_options_mismatch(meta)
+def _differences(meta: CatalogMeta, record: JobRecord, old: JobFile) -> list[str]:
+    diffs = old.meta.embed_options_mismatch(meta)
     for name in ("model", "dtype"):
-        if getattr(old_meta, name) != getattr(meta, name):
-            diffs.append(f"{name}: {getattr(old_meta, name)} != {getattr(meta, name)}")
+        if getattr(old.meta, name) != getattr(meta, name):
+            diffs.append(f"{name}: {getattr(old.meta, name)} != {getattr(meta, name)}")
     for name in ("source", "source_kind", "extra_columns", "precision"):
-        if old.get(name) != getattr(record, name):
-            diffs.append(f"{name}: {old.get(name)} != {getattr(record, name)}")
+        mine, theirs = getattr(old.record, name), getattr(record, name)
+        if mine != theirs:
+            show = (list(mine), list(theirs)) if name == "extra_columns" else (mine, theirs)
+            diffs.append(f"{name}: {show[0]} != {show[1]}")
     return diffs
 
 
@@ -141,8 +192,7 @@ def check_existing(folder: Path, meta: CatalogMeta, record: JobRecord) -> bool:
                 "resume; write to a new --out folder"
             )
         return False
-    old_meta, old = found
-    diffs = _differences(meta, record, old_meta, old)
+    diffs = _differences(meta, record, found)
     if diffs:
         raise CatalogError(
             f"{folder} holds a catalog made with other options ({'; '.join(diffs)}); rerun with the same "
@@ -151,13 +201,23 @@ def check_existing(folder: Path, meta: CatalogMeta, record: JobRecord) -> bool:
     return True
 
 
-def open_output(folder: Path, meta: CatalogMeta, record: JobRecord, source: Source) -> OutputState:
-    """Create or resume ``folder``: pin the job in catalog.json, clean up, and collect the ids done."""
+def open_output(
+    folder: Path,
+    meta: CatalogMeta,
+    record: JobRecord,
+    source: Source,
+    *,
+    retry: tuple[str, ...] | None = None,
+) -> OutputState:
+    """Create or resume ``folder`` (hold its ``OutputLock``): pin the job in catalog.json, clean up, and
+    collect the ids done. ``retry`` (``--retry-errors``) first drops those failure codes from errors.jsonl
+    (``()``: every failure), so their ids are tried again."""
     folder.mkdir(parents=True, exist_ok=True)
     resumed = check_existing(folder, meta, record)
     if not resumed:
         _write_job_file(folder, meta, record)
     remove_partial_shards(folder)
+    retried = 0 if retry is None else len(drop_failures(folder, frozenset(retry) or None))
     for path in shard_paths(folder):
         if read_shard_meta(path) != meta:
             raise CatalogError(f"{path} was written with other options than {folder / CATALOG_FILE}")
@@ -174,18 +234,19 @@ def open_output(folder: Path, meta: CatalogMeta, record: JobRecord, source: Sour
         folder=folder,
         meta=meta,
         record=record,
-        done=set(rows) | failures,
+        done=frozenset(rows) | frozenset(failures),
         rows_before=len(rows),
         failures_before=len(failures),
         next_shard=next_shard_index(folder),
         resumed=resumed,
+        retried=retried,
     )
 
 
 def _write_job_file(folder: Path, meta: CatalogMeta, record: JobRecord) -> None:
     path = folder / CATALOG_FILE
     tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps({**meta.to_dict(), "job": asdict(record)}, indent=2, sort_keys=True)
+    text = json.dumps({**meta.to_dict(), "job": record.to_dict()}, indent=2, sort_keys=True)
     with tmp.open("w", encoding="utf-8") as handle:
         handle.write(text + "\n")
         handle.flush()

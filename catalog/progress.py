@@ -6,12 +6,24 @@ import sys
 from types import TracebackType
 from typing import Any
 
+from vit_backbone.errors import MissingExtraError
+
+
+def require_tqdm() -> None:
+    """Import tqdm or name the extra that brings it (checked before any work starts)."""
+    try:
+        import tqdm
+    except ImportError as exc:
+        raise MissingExtraError("the embed-catalog progress bar", "catalog") from exc
+    del tqdm
+
 
 class ProgressBar:
     """``with ProgressBar(total) as bar: bar.update(n, failed)`` — quiet when stderr is not a terminal
     unless ``force`` (a log file gets the summary line, not thousands of carriage returns)."""
 
     def __init__(self, total: int, *, force: bool = False, description: str = "embedding") -> None:
+        require_tqdm()
         from tqdm import tqdm
 
         self.failed = 0

@@ -1,15 +1,17 @@
 """The Ray Data engine of ``embed-catalog``: the same job spread over a Ray cluster.
 
-Pipeline: the items still to do → ``ray.data.from_items`` → a CPU ``map_batches`` stage that reads,
-decodes (JPEG draft, like the server) and preprocesses, recording each item's failure instead of raising
-→ an actor pool of embedders (``map_batches(Embedder, compute=ActorPoolStrategy(size=n))``, one GPU per
-actor when the cluster has GPUs) that load the model once and run the server's forward path → the driver,
-which writes the shards in exactly the local engine's layout (FixedSizeList column, metadata, atomic
-renames, errors.jsonl), so resume, ``read_catalog`` and the index work the same whichever engine ran.
+Pipeline: the items still to do → ``ray.data.from_items`` → a CPU ``map_batches`` stage that reads, decodes
+(JPEG draft, like the server) and preprocesses, recording each item's failure instead of raising → an actor
+pool of embedders (``map_batches(Embedder, compute=ActorPoolStrategy(size=n))``, one GPU per actor when the
+cluster has GPUs) that load the model once and run the server's forward path → the driver, which writes the
+shards in exactly the local engine's layout (FixedSizeList column, metadata, atomic renames, errors.jsonl), so
+resume, ``read_catalog`` and the index work the same whichever engine ran.
 
-The driver streams results (order preserved) and commits every ``shard_size`` rows; a Ctrl-C stops
-after committing what arrived. Pixels travel between the stages as raw float32 bytes with their shape, so
-the embedder sees bit-identical tensors to the local engine's.
+The driver streams results (order preserved) and commits every ``shard_size`` rows; a Ctrl-C stops after
+committing what arrived. The compute precision is explicit (``--precision float32|bfloat16|float16``):
+``auto`` would time the driver's hardware, not the workers'. ``--workers`` caps the concurrent decode tasks.
+The driver's ``DataContext`` is restored when the job ends. Pixels travel between the stages as raw float32
+bytes with their shape, so the embedder sees bit-identical tensors to the local engine's.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from vit_backbone.backbone import Backbone
-from vit_backbone.errors import MissingExtraError
+from vit_backbone.errors import MissingExtraError, VitEmbedError
 from vit_backbone.preprocess import Prepared, PreprocessConfig, Preprocessor
 
 from .decode_stage import failure_for, prepare_item
 from .error_log import ErrorLog, ItemFailure
-from .job import JobSummary, ProgressFn, RunSettings, ShardWriter, embed_batch
+from .errors import CatalogError
+from .job import INTERNAL_ERROR, JobSummary, ProgressFn, RunSettings, ShardWriter, embed_isolating
 from .meta import CatalogMeta
 from .output import OutputState
 from .sources import Source, SourceItem
@@ -47,9 +50,10 @@ def require_ray() -> None:
 class RayOptions:
     address: str | None  # None: start a local cluster (unless one is already initialised in this process)
     actors: int | None  # None: one per GPU in the cluster, or 1 without GPUs
-    model: str  # what each actor loads (a path or id the workers can resolve, or "embedded")
-    precision: str  # float32 | bfloat16, as resolved by the driver
+    model: str  # what each actor loads (an absolute path or id the workers can resolve, or "embedded")
+    precision: str  # float32 | bfloat16 | float16: explicit, because auto would measure the driver
     device: str = "auto"
+    decode_tasks: int | None = None  # concurrent decode tasks (--workers); None: Ray Data decides
 
 
 class DecodeStage:
@@ -64,8 +68,9 @@ class DecodeStage:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {k: [] for k in ("row", "id", "pixels", "shape", "code", "message")}
-        for row, item_id, path in zip(batch["row"], batch["id"], batch["path"], strict=True):
-            item = SourceItem(id=str(item_id), path=str(path))
+        columns = (batch["row"], batch["id"], batch["path"], batch["invalid"])
+        for row, item_id, path, invalid in zip(*columns, strict=True):
+            item = SourceItem(id=str(item_id), path=str(path), invalid=str(invalid))
             pixels, shape, code, message = b"", [0, 0, 0, 0, 0], "", ""
             try:
                 prepared = prepare_item(item, self.preprocessor, self.policy, self.size)
@@ -81,7 +86,9 @@ class DecodeStage:
 
 
 class Embedder:
-    """Actor stage: loads the model once, embeds the decoded rows, passes failures through."""
+    """Actor stage: loads the model once, embeds the decoded rows, passes failures through. A forward pass
+    that raises is retried image by image and the images that still fail come back as ``internal_error``
+    rows: the actor never raises for an image, so one bad image cannot fail the whole Ray job."""
 
     def __init__(self, model: str, precision: str, meta: CatalogMeta, device: str) -> None:
         import torch
@@ -93,19 +100,21 @@ class Embedder:
 
         chosen = pick_device(device)
         self.backbone = load_backbone(model, device=chosen)
-        apply_precision(self.backbone, precision)
         if self.backbone.checkpoint.revision != meta.revision:
-            raise RuntimeError(
+            raise CatalogError(
                 f"the Ray workers resolve {model!r} to revision {self.backbone.checkpoint.revision}, "
                 f"the driver to {meta.revision}: give every node the same checkpoint"
             )
+        apply_precision(self.backbone, precision)
         self.meta = meta
         self._torch = torch
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Any:
         import pyarrow as pa
 
-        ok = [k for k, code in enumerate(batch["code"]) if not code]
+        codes = [str(c) for c in batch["code"]]
+        messages = [str(m) for m in batch["message"]]
+        ok = [k for k, code in enumerate(codes) if not code]
         dim = self.meta.dim
         vectors = np.zeros((len(batch["row"]), dim), dtype=np.float32)  # [b, D]; zeros for failed rows
         if ok:
@@ -115,17 +124,37 @@ class Embedder:
                 pixels = np.frombuffer(batch["pixels"][k], dtype=np.float32).reshape(c, h, w)  # [3, H, W]
                 tensor = self._torch.from_numpy(pixels.copy())
                 prepared.append(Prepared(pixel_values=tensor, grid=(gh, gw), source_size=(h, w), policy=""))
-            vectors[ok] = embed_batch(self.backbone, self.meta, prepared)  # [n_ok, D]
+            embedded, errors = embed_isolating(self.backbone, self.meta, prepared)  # [n_ok, D]
+            vectors[ok] = embedded
+            for k, error in zip(ok, errors, strict=True):
+                if error:
+                    codes[k], messages[k] = INTERNAL_ERROR, error
         flat = pa.array(vectors.reshape(-1))
         return pa.table(
             {
                 "row": pa.array(batch["row"], type=pa.int64()),
                 "id": pa.array([str(i) for i in batch["id"]], type=pa.string()),
                 "embedding": pa.FixedSizeListArray.from_arrays(flat, dim),
-                "code": pa.array([str(c) for c in batch["code"]], type=pa.string()),
-                "message": pa.array([str(m) for m in batch["message"]], type=pa.string()),
+                "code": pa.array(codes, type=pa.string()),
+                "message": pa.array(messages, type=pa.string()),
             }
         )
+
+
+def _one_line_error(exc: BaseException) -> VitEmbedError | None:
+    """The vitembed error inside a Ray failure (Ray wraps it with remote tracebacks), re-raised as the
+    one-line error the command prints; None when the failure is not one of ours."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (getattr(current, "cause", None), current):
+            if isinstance(candidate, VitEmbedError):
+                message = str(candidate.args[0]) if candidate.args else str(candidate)
+                first = message.strip().splitlines()[0] if message.strip() else type(candidate).__name__
+                return CatalogError(first)
+        current = current.__cause__ or current.__context__ or getattr(current, "cause", None)
+    return None
 
 
 def _cluster_gpus() -> int:
@@ -162,19 +191,30 @@ def run_ray(
     failures = 0
     interrupted = False
     started = time.perf_counter()
+    context = ray.data.DataContext.get_current()
+    preserve_order = context.execution_options.preserve_order
     try:
         if todo:
             gpus = _cluster_gpus()
+            if options.precision == "float16" and not gpus:
+                raise CatalogError("--precision float16 needs GPUs, and this Ray cluster has none")
             actors = options.actors or max(1, gpus)
-            context = ray.data.DataContext.get_current()
             context.execution_options.preserve_order = True  # shards in source order, as the local engine
-            rows = [{"row": n, "id": item.id, "path": item.path} for n, item in enumerate(todo)]
+            rows = [
+                {"row": n, "id": item.id, "path": item.path, "invalid": item.invalid}
+                for n, item in enumerate(todo)
+            ]
             decode = DecodeStage(
                 backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, state.meta
             )
             dataset = (
                 ray.data.from_items(rows)
-                .map_batches(decode, batch_size=settings.batch_size, batch_format="numpy")
+                .map_batches(
+                    decode,
+                    batch_size=settings.batch_size,
+                    batch_format="numpy",
+                    compute=ray.data.TaskPoolStrategy(size=options.decode_tasks),
+                )
                 .map_batches(
                     Embedder,
                     fn_constructor_kwargs={
@@ -189,12 +229,19 @@ def run_ray(
                     batch_format="numpy",
                 )
             )
-            for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
-                failures += _take(batch, todo, writer, errors, state.meta.dim, progress)
-                if stop.is_set():
-                    interrupted = True
-                    break
+            try:
+                for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    failures += _take(batch, todo, writer, errors, state.meta.dim, progress)
+                    if stop.is_set():
+                        interrupted = True
+                        break
+            except Exception as exc:
+                ours = _one_line_error(exc)
+                if ours is None:
+                    raise
+                raise ours from None
     finally:
+        context.execution_options.preserve_order = preserve_order
         writer.flush()
         errors.close()
         if started_here:

@@ -2,9 +2,9 @@
 
 ``DIR/part-00000.parquet`` … hold ``id`` (string), ``embedding`` (``fixed_size_list<float32|float16>[D]``)
 and any extra manifest columns (strings); each shard carries the ``CatalogMeta`` JSON in its key-value
-metadata. A shard is written to ``*.parquet.tmp``, fsynced and renamed, so a crash leaves either the whole
-shard or none of it: the ids in committed shards are exactly the rows that are done, which is what a
-resumed job skips.
+metadata. A shard is written to ``*.parquet.tmp``, fsynced and linked to its final name, so a crash leaves
+either the whole shard or none of it: the ids in committed shards are exactly the rows that are done, which is
+what a resumed job skips.
 """
 
 from __future__ import annotations
@@ -100,17 +100,28 @@ def build_table(
 
 
 def write_shard(folder: Path, index: int, table: Any) -> Path:
-    """Write ``part-{index}.parquet`` atomically: temp file, fsync, rename, fsync the folder."""
+    """Write ``part-{index}.parquet`` atomically: temp file, fsync, hard-link to the final name, fsync the
+    folder. ``os.link`` fails if the name exists, so a committed shard is never overwritten, even by a
+    writer that raced past the catalog's lock."""
     pa = _pa()
     final = folder / shard_name(index)
-    if final.exists():
-        raise CatalogError(f"{final} already exists; refusing to overwrite a committed shard")
     tmp = final.with_name(final.name + TMP_SUFFIX)
     with tmp.open("wb") as sink:
         pa.parquet.write_table(table, sink, compression="zstd")
         sink.flush()
         os.fsync(sink.fileno())
-    os.replace(tmp, final)
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        tmp.unlink()
+        raise CatalogError(f"{final} already exists; refusing to overwrite a committed shard") from None
+    except OSError:  # a file system without hard links: the job's lock keeps the check-then-rename safe
+        if final.exists():
+            tmp.unlink()
+            raise CatalogError(f"{final} already exists; refusing to overwrite a committed shard") from None
+        os.replace(tmp, final)
+    else:
+        tmp.unlink()
     fsync_dir(folder)
     return final
 

@@ -7,10 +7,17 @@ float32; on this project's reference machine (AMX) it is ~3x faster at batch 8.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .backbone import Backbone
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_COSINE = 0.999
@@ -70,3 +77,79 @@ def to_device(pixel_values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return pixel_values
     return pixel_values.pin_memory().to(device, non_blocking=True)  # [B, 3, H, W]
+
+
+SLOWER_VETO = 1.25  # auto: bfloat16 is dropped only when it takes > 1.25x float32's time (timings are noisy)
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What a precision setting resolved to on this backbone's device."""
+
+    dtype: torch.dtype | None  # the autocast dtype; None = plain float32
+    label: str  # "float32" | "bfloat16" | "float16"
+    min_cosine: float | None  # measured against float32 on the probe images; None when not measured
+    seconds: tuple[float, float] | None = None  # (float32, low precision) probe times, when timed
+
+    def describe(self) -> str:
+        if self.dtype is None or self.min_cosine is None:
+            return self.label
+        return f"{self.label} autocast (min cosine {self.min_cosine:.5f} to float32)"
+
+
+def choose_autocast(
+    backbone: Backbone,
+    precision: str,
+    images: Sequence[Any],
+    *,
+    batch_size: int = 8,
+    native_bf16: bool | None = None,
+    **embed_options: Any,
+) -> PrecisionChoice:
+    """The one precision rule of vitembed (the server and the catalog job both use it).
+
+    ``float32`` / ``bfloat16`` / ``float16`` are honoured as given (``float16`` only on CUDA; the cosine to
+    float32 is measured for information). ``auto`` tries bfloat16 only where it is native (CUDA, or a CPU
+    with AMX / AVX512-BF16: emulated bfloat16 is slower) and keeps it only if its vectors keep cosine
+    ≥ ``MIN_COSINE`` to float32 on ``images`` and it is not clearly slower (> ``SLOWER_VETO`` × float32's
+    time). Each precision is warmed up on the same images at the same batch size before it is timed, so
+    neither timing pays first-call costs the other does not. ``embed_options`` (pooling, layers, size,
+    policy) are passed to ``backbone.embed`` so the check measures the vectors that will be used.
+    ``backbone.autocast`` is restored; the caller applies ``choice.dtype``. ``native_bf16`` overrides the
+    CPU-flag check (None: read /proc/cpuinfo).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    device = backbone.device
+    if precision == "auto":
+        native = device.type == "cuda" or (cpu_has_native_bf16() if native_bf16 is None else native_bf16)
+        dtype = torch.bfloat16 if native else None
+    else:
+        dtype = autocast_dtype(precision, device)
+    if dtype is None:
+        return PrecisionChoice(dtype=None, label="float32", min_cosine=None)
+    label = str(dtype).removeprefix("torch.")
+    previous = backbone.autocast
+    try:
+        backbone.autocast = None
+        reference, fp32_s = _timed_embed(backbone, images, batch_size, embed_options)
+        backbone.autocast = dtype
+        candidate, low_s = _timed_embed(backbone, images, batch_size, embed_options)
+    finally:
+        backbone.autocast = previous
+    cosine = min_cosine(reference, candidate)
+    if precision == "auto" and (cosine < MIN_COSINE or low_s > SLOWER_VETO * fp32_s):
+        return PrecisionChoice(dtype=None, label="float32", min_cosine=cosine, seconds=(fp32_s, low_s))
+    return PrecisionChoice(dtype=dtype, label=label, min_cosine=cosine, seconds=(fp32_s, low_s))
+
+
+def _timed_embed(
+    backbone: Backbone, images: Sequence[Any], batch_size: int, options: dict[str, Any]
+) -> tuple[np.ndarray, float]:
+    """One untimed pass (first-call costs: kernels, allocator, autocast caches), then the timed one, both
+    on the same images at the same batch size."""
+    backbone.embed(list(images), batch_size=batch_size, **options)
+    started = time.perf_counter()
+    vectors = backbone.embed(list(images), batch_size=batch_size, **options)  # [N, F]
+    return vectors, time.perf_counter() - started

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from catalog.cli import parse_model
 from catalog.error_log import ERRORS_FILE, ErrorLog, ItemFailure, read_failures
 from catalog.errors import CatalogError, SourceError
 from catalog.meta import CatalogMeta
@@ -51,6 +52,12 @@ def test_meta_round_trip_and_mismatch() -> None:
         CatalogMeta.from_dict({k: v for k, v in META.to_dict().items() if k != "revision"})
     with pytest.raises(CatalogError, match="dtype must be one of float32, float16"):
         dataclasses.replace(META, dtype="int8")
+    # precision is informational: absent in older catalogs, never a mismatch
+    older = {k: v for k, v in META.to_dict().items() if k != "precision"}
+    assert CatalogMeta.from_dict(older) == META and META.precision is None
+    computed = dataclasses.replace(META, precision="bfloat16")
+    assert CatalogMeta.from_json(computed.to_json()).precision == "bfloat16"
+    assert META.embed_options_mismatch(computed) == []
 
 
 def test_read_catalog_refuses_missing_empty_and_mixed(tmp_path: Path) -> None:
@@ -60,8 +67,11 @@ def test_read_catalog_refuses_missing_empty_and_mixed(tmp_path: Path) -> None:
         read_catalog(tmp_path)
     vectors = np.arange(8, dtype=np.float32).reshape(2, 4)
     write_shard(tmp_path, 0, build_table(["a", "b"], vectors, {}, META))
+    committed = (tmp_path / "part-00000.parquet").read_bytes()
     with pytest.raises(CatalogError, match="already exists"):
-        write_shard(tmp_path, 0, build_table(["a", "b"], vectors, {}, META))
+        write_shard(tmp_path, 0, build_table(["x"], vectors[:1], {}, META))
+    assert (tmp_path / "part-00000.parquet").read_bytes() == committed  # never overwritten
+    assert not list(tmp_path.glob("*.tmp"))
     write_shard(tmp_path, 1, build_table(["c"], vectors[:1], {}, dataclasses.replace(META, pooling="cls")))
     mixed = r"part-00001.parquet was made with other options .*pooling: mean != cls"
     with pytest.raises(CatalogError, match=mixed):
@@ -157,3 +167,14 @@ def _empty(tmp_path: Path) -> Path:
     folder.mkdir()
     (folder / "readme.txt").write_text("x")
     return folder
+
+
+def test_relative_model_folders_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray workers run in other working directories: a model folder is sent as an absolute path."""
+    (tmp_path / "models" / "dino").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    folder = str(tmp_path / "models" / "dino")
+    assert parse_model("models/dino") == ("dino", folder)
+    assert parse_model("mine=models/dino") == ("mine", folder)
+    assert parse_model("embedded") == ("embedded", "embedded")
+    assert parse_model("org/hub-id") == ("org/hub-id", "org/hub-id")

@@ -57,6 +57,7 @@ def test_folder_catalog(tree: ImageTree, tiny: Backbone, run_cli: RunCli, tmp_pa
         normalized=False,
         dim=32,
         dtype="float32",
+        precision="float32",
     )
     for path in paths:
         schema = pq.read_schema(path)
@@ -134,6 +135,9 @@ def test_patch_pooling_and_bad_size_are_refused_before_any_work(
     assert not (tmp_path / "b").exists()
     ray_flag = run_cli(tree.root, tmp_path / "c", "--ray-address", "auto")
     assert ray_flag.code == 2 and "--ray-address and --actors need --engine ray" in ray_flag.err
+    half = run_cli(tree.root, tmp_path / "d", "--precision", "float16")
+    assert half.code == 2 and "precision 'float16' needs a CUDA device" in half.err
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])

@@ -1,10 +1,11 @@
 """Interrupting a real ``vitembed embed-catalog`` process and running it again.
 
-To interrupt at a known point, the manifest lists a named pipe (FIFO) among the images: opening it for
-reading blocks until a writer appears, so the job commits every shard before that item and then waits
-there. The test kills it at that moment (``kill -9``, or SIGINT for the clean stop), replaces the pipe
-with a real JPEG and reruns with the same arguments: every id must end up exactly once, with the vectors
-of an uninterrupted run.
+The job gets enough work to be caught mid-run without any hook in the library: the 12 generated images
+and a truncated one, then ``SLOW_ROWS`` rows of an 800x800 PNG (≈ 10 ms to decode each), committed two
+rows per shard. The test polls for the first committed shard, signals the process at once, and checks
+that the final shard was not written yet (so the job really was interrupted). Whatever was committed
+must be a gap-free prefix of the source; a rerun with the same arguments must then hold every id exactly
+once, with the vectors of the library (≤ 1e-5), and no temporary file left over.
 """
 
 from __future__ import annotations
@@ -23,114 +24,144 @@ from conftest import RunCli
 
 from catalog.error_log import read_failures
 from catalog.shards import read_catalog, shard_paths
+from vit_backbone import Backbone
 
 ROOT = Path(__file__).resolve().parents[2]
-FIFO_AT = 10  # position of the pipe in the manifest
-SHARD = 3
-WAIT_S = 60.0
+SHARD = 2
+SLOW_ROWS = 120
+WAIT_S = 90.0
+FLAGS = ("--shard-size", str(SHARD), "--batch-size", "2")
 
 
-def make_manifest(tree: ImageTree, folder: Path) -> tuple[Path, Path, list[str]]:
-    """12 good images, a truncated JPEG at position 4 and the pipe at FIFO_AT."""
-    folder.mkdir()
-    rows = [(f"img-{n:02d}", str(tree.root / rel)) for n, rel in enumerate(tree.good)]
-    rows.insert(4, ("bad-truncated", str(tree.root / "broken/truncated.jpg")))
-    fifo = folder / "late.jpg"
-    os.mkfifo(fifo)
-    rows.insert(FIFO_AT, ("late", str(fifo)))
-    manifest = folder / "manifest.csv"
-    manifest.write_text("id,path\n" + "".join(f"{i},{p}\n" for i, p in rows))
-    return manifest, fifo, [i for i, _ in rows]
+class Job:
+    def __init__(self, tree: ImageTree, folder: Path) -> None:
+        folder.mkdir()
+        slow = folder / "slow.png"
+        slow.write_bytes(encode(picture(4242, 800, 800), "PNG"))
+        rows = [(f"img-{n:02d}", str(tree.root / rel)) for n, rel in enumerate(tree.good)]
+        rows.insert(4, ("bad-truncated", str(tree.root / "broken/truncated.jpg")))
+        rows += [(f"slow-{k:03d}", str(slow)) for k in range(SLOW_ROWS)]
+        self.manifest = folder / "manifest.csv"
+        self.manifest.write_text("id,path\n" + "".join(f"{i},{p}\n" for i, p in rows))
+        self.ids = [i for i, _ in rows]
+        self.paths = dict(rows)
+        self.rows = [i for i in self.ids if i != "bad-truncated"]  # what the catalog ends up holding
+        self.last_shard = (len(self.rows) + SHARD - 1) // SHARD - 1
+
+    def start(self, out: Path, model: Path) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-m", "service.cli", "embed-catalog", str(self.manifest), "--out", str(out)]
+        argv += ["--model", str(model), "--precision", "float32", *FLAGS]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def expected(self, backbone: Backbone, ids: list[str]) -> np.ndarray:
+        cache: dict[str, np.ndarray] = {}
+        for i in ids:
+            path = self.paths[i]
+            if path not in cache:
+                cache[path] = backbone.embed([Path(path).read_bytes()])[0]
+        return np.stack([cache[self.paths[i]] for i in ids])  # [N, D]
 
 
-def start(manifest: Path, out: Path, model: Path) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "service.cli", "embed-catalog", str(manifest), "--out", str(out)]
-    argv += ["--model", str(model), "--precision", "float32", "--shard-size", str(SHARD), "--batch-size", "2"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def wait_for_shards(proc: subprocess.Popen[str], out: Path, count: int) -> None:
+def interrupt_after_first_shard(proc: subprocess.Popen[str], out: Path, job: Job, *signums: int) -> None:
     deadline = time.monotonic() + WAIT_S
-    while len(shard_paths(out)) < count:
+    while not (out / "part-00000.parquet").exists():
         if proc.poll() is not None:
             pytest.fail(f"the job ended early ({proc.returncode}): {proc.communicate()[1]}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"no {count} shards within {WAIT_S} s: {proc.communicate()[1]}")
-        time.sleep(0.05)
-    time.sleep(0.3)  # the job is now blocked on the pipe: nothing else can be committed
-    assert proc.poll() is None
+            pytest.fail(f"no shard within {WAIT_S} s: {proc.communicate()[1]}")
+        time.sleep(0.005)
+    for n, signum in enumerate(signums):
+        if n:
+            time.sleep(0.02)
+        proc.send_signal(signum)
+    assert not (out / f"part-{job.last_shard:05d}.parquet").exists(), "the job finished before the signal"
 
 
-def replace_fifo(fifo: Path) -> None:
-    fifo.unlink()
-    fifo.write_bytes(encode(picture(4242, 180, 240), "JPEG"))
-
-
-def clean_run(run_cli: RunCli, manifest: Path, fifo: Path, out: Path) -> np.ndarray:
-    result = run_cli(manifest, out, "--shard-size", "100")
-    assert result.code == 0, result.err
-    return read_catalog(out).embeddings
-
-
-def test_kill_9_then_rerun_resumes(tree: ImageTree, tiny_path: Path, run_cli: RunCli, tmp_path: Path) -> None:
-    manifest, fifo, ids = make_manifest(tree, tmp_path / "src")
-    out = tmp_path / "cat"
-    proc = start(manifest, out, tiny_path)
-    # items 0..9 before the pipe: 9 good rows -> shards of 3, 3 (then 3 more rows wait in the buffer)
-    wait_for_shards(proc, out, 2)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+def check_prefix(out: Path, job: Job) -> int:
+    """The committed rows are the first rows of the source, whole shards, no gaps; returns how many."""
     committed = read_catalog(out).ids
-    assert committed == ids[:4] + ids[5:7]  # the first 6 good rows; the broken one went to errors.jsonl
-    assert [f.id for f in read_failures(out)] == ["bad-truncated"]
+    assert len(committed) >= SHARD and len(committed) % SHARD == 0
+    assert committed == job.rows[: len(committed)]
+    failures = [f.id for f in read_failures(out)]
+    assert failures == (["bad-truncated"] if len(committed) >= 6 else failures[:1])  # met before row 6
+    assert set(failures) <= {"bad-truncated"}
+    return len(committed)
 
-    replace_fifo(fifo)
-    rerun = start(manifest, out, tiny_path)
-    stdout, stderr = rerun.communicate(timeout=120)
-    assert rerun.returncode == 0, stderr
-    assert "(7 already done)" in stderr  # 6 committed rows + 1 recorded failure
-    assert stdout.strip() == (
-        f"done: {len(ids) - 7} rows written, 0 errors, 7 already done; catalog holds {len(ids) - 1} rows "
-        + f"and 1 errors; {stdout.split('errors; ')[1].strip()}"
+
+def finish_and_check(run_cli: RunCli, job: Job, out: Path, backbone: Backbone, committed: int) -> None:
+    failed = len(read_failures(out))
+    result = run_cli(job.manifest, out, *FLAGS)
+    assert result.code == 0, result.err
+    assert f"({committed + failed} already done)" in result.err
+    rows, errors = len(job.rows) - committed, 1 - failed
+    assert result.out.startswith(
+        f"done: {rows} rows written, {errors} errors, {committed + failed} already done"
     )
     catalog = read_catalog(out)
-    assert catalog.ids == [i for i in ids if i != "bad-truncated"]  # each id exactly once, source order
+    assert catalog.ids == job.rows  # each id exactly once, in source order
     assert [f.id for f in read_failures(out)] == ["bad-truncated"]
-    reference = clean_run(run_cli, manifest, fifo, tmp_path / "clean")
-    np.testing.assert_allclose(catalog.embeddings, reference, rtol=0, atol=1e-5)
-
-
-def test_sigint_commits_what_is_done_and_exits_130(
-    tree: ImageTree, tiny_path: Path, run_cli: RunCli, tmp_path: Path
-) -> None:
-    manifest, fifo, ids = make_manifest(tree, tmp_path / "src")
-    out = tmp_path / "cat"
-    proc = start(manifest, out, tiny_path)
-    wait_for_shards(proc, out, 2)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=30)  # exits although a worker is still blocked on the pipe
-    assert proc.returncode == 130, stderr
-    assert "stopping: committing the rows embedded so far" in stderr
-    # Every row the job had embedded is committed: a prefix of the source, without gaps. Usually all 9 good
-    # rows before the pipe; fewer if SIGINT came while the last ones were still being decoded (busy CI).
-    committed = read_catalog(out).ids
-    before_pipe = [i for i in ids[:FIFO_AT] if i != "bad-truncated"]
-    assert len(committed) >= 2 * SHARD and committed == before_pipe[: len(committed)]
-    n = len(committed)
-    summary = f"interrupted: {n} rows written, 1 errors, 0 already done; catalog holds {n} rows"
-    assert stdout.startswith(summary)
     assert not list(out.glob("*.tmp"))
+    np.testing.assert_allclose(catalog.embeddings, job.expected(backbone, catalog.ids), rtol=0, atol=1e-5)
 
-    replace_fifo(fifo)
-    result = run_cli(manifest, out, "--shard-size", str(SHARD), "--batch-size", "2")
-    assert result.code == 0, result.err
-    assert result.out.startswith(f"done: {len(ids) - n - 1} rows written, 0 errors, {n + 1} already done")
-    catalog = read_catalog(out)
-    assert catalog.ids == [i for i in ids if i != "bad-truncated"]
-    reference = clean_run(run_cli, manifest, fifo, tmp_path / "clean")
-    np.testing.assert_allclose(catalog.embeddings, reference, rtol=0, atol=1e-5)
+
+def test_kill_9_then_rerun_resumes(
+    tree: ImageTree, tiny_path: Path, tiny: Backbone, run_cli: RunCli, tmp_path: Path
+) -> None:
+    job = Job(tree, tmp_path / "src")
+    out = tmp_path / "cat"
+    proc = job.start(out, tiny_path)
+    interrupt_after_first_shard(proc, out, job, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    committed = check_prefix(out, job)
+    # a kill during a shard write leaves its temporary file: the rerun must delete it, not mistake it
+    leftover = out / f"part-{len(shard_paths(out)):05d}.parquet.tmp"
+    leftover.write_bytes(b"PAR1 half a shard")
+    finish_and_check(run_cli, job, out, tiny, committed)
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_commits_what_is_done_and_exits(
+    signum: int,
+    status: int,
+    tree: ImageTree,
+    tiny_path: Path,
+    tiny: Backbone,
+    run_cli: RunCli,
+    tmp_path: Path,
+) -> None:
+    job = Job(tree, tmp_path / "src")
+    out = tmp_path / "cat"
+    proc = job.start(out, tiny_path)
+    interrupt_after_first_shard(proc, out, job, signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == status, stderr
+    assert "stopping: committing the rows embedded so far" in stderr and "Traceback" not in stderr
+    n = check_prefix(out, job)
+    failed = len(read_failures(out))
+    assert stdout.startswith(
+        f"interrupted: {n} rows written, {failed} errors, 0 already done; catalog holds {n}"
+    )
+    assert not list(out.glob("*.tmp"))
+    finish_and_check(run_cli, job, out, tiny, n)
+
+
+def test_second_ctrl_c_aborts_without_a_traceback(
+    tree: ImageTree, tiny_path: Path, tiny: Backbone, run_cli: RunCli, tmp_path: Path
+) -> None:
+    job = Job(tree, tmp_path / "src")
+    out = tmp_path / "cat"
+    proc = job.start(out, tiny_path)
+    interrupt_after_first_shard(proc, out, job, signal.SIGINT, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    # the second Ctrl-C either aborted the commit, or came after it (then it is ignored: nothing to abort)
+    aborted = "\naborted: rows in committed shards and errors.jsonl are kept" in stderr
+    assert aborted or stdout.startswith("interrupted: "), (stdout, stderr)
+    n = check_prefix(out, job)
+    finish_and_check(run_cli, job, out, tiny, n)
