@@ -38,7 +38,15 @@ from .batcher import (
     WorkItem,
 )
 from .metrics import Metrics
-from .served_heads import BoundHead, bind_heads, get_head, head_outputs, pool_requests, select_heads
+from .served_heads import (
+    BoundHead,
+    bind_heads,
+    card_json,
+    get_head,
+    head_outputs,
+    pool_requests,
+    select_heads,
+)
 from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -237,7 +245,7 @@ class Engine:
         infos: dict[str, dict[str, Any]] = {}
         for name, served in self._served.items():
             infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision}
-            heads = {h.name: h.card.to_dict() for h in self._heads.values() if h.model == name}
+            heads = {h.name: card_json(h.card) for h in self._heads.values() if h.model == name}
             if heads:
                 infos[name]["heads"] = heads
         return infos
@@ -281,11 +289,12 @@ class Engine:
         pooling = check_pooling(options.pooling or bb.defaults.pooling)
         layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
         policy = bb.check_policy(options.policy)
-        heads = select_heads(self._heads, options.heads, model, policy, options.size)
+        heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
         if options.size is not None:
             self._check_size(served, policy, options.size)
         prepared = await self._prepare_all(served, images, policy, options.size)
-        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, options.heads)
+        head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
+        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
         rows = await self._run(served, prepared, key_tail, ticket, deadline)
         outputs = [row[1] for row in rows] if heads else []
         vectors = [row[0] for row in rows] if heads else rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,23 @@ from typing import Any
 DEFAULT_CACHE = Path("~/.cache/vitembed/features")
 
 
+# argparse reads "-4,-3,-2,-1" as an unknown option (only "-4" looks like a number to it); the train parser
+# also takes comma-joined negative indices as values, so every form `embed-catalog` accepts works here.
+_NEGATIVE_VALUES = re.compile(r"^-\d+(,-?\d+)*$|^-\d*\.\d+$")
+
+
 def _layers(text: str) -> tuple[int, ...]:
+    """One ``--layers`` value: ``8``, ``-1`` or ``-4,-3,-2,-1`` (several values are joined)."""
     try:
-        return tuple(int(part) for part in text.split(","))
+        return tuple(int(part) for part in text.replace(",", " ").split())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"layers must be integers separated by commas, got {text!r}"
+            f"layers are block indices such as 8, -4 -3 -2 -1 or -4,-3,-2,-1; got {text!r}"
         ) from exc
+
+
+def joined_layers(values: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(i for value in values for i in value)
 
 
 def parse_head_args(values: list[str]) -> dict[str, str]:
@@ -53,7 +64,15 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--kind", choices=("linear", "knn", "patch"), default="linear")
     train.add_argument("--pooling", default=None, help="default: the model's (patch heads: patch)")
-    train.add_argument("--layers", type=_layers, default=None, help="blocks, e.g. 8 or -4,-3,-2,-1")
+    train.add_argument(
+        "--layers",
+        type=_layers,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="blocks: 8, -4 -3 -2 -1 or -4,-3,-2,-1",
+    )
+    train._negative_number_matcher = _NEGATIVE_VALUES  # see _NEGATIVE_VALUES
     train.add_argument("--size", nargs=2, type=int, default=None, metavar=("H", "W"))
     train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
     train.add_argument("--val-fraction", type=float, default=0.2, help="held-out share for model selection")
@@ -91,7 +110,7 @@ def _train(args: argparse.Namespace) -> int:
     options = TrainOptions(
         kind=args.kind,
         pooling=args.pooling,
-        layers=args.layers,
+        layers=joined_layers(args.layers),
         size=None if args.size is None else (args.size[0], args.size[1]),
         policy=args.policy,
         val_fraction=args.val_fraction,

@@ -5,7 +5,9 @@ options ``head`` (default: the only served head), ``top_k`` (classifiers) and ``
 ``upsample_mode`` (patch heads) come as form fields, JSON fields or query parameters, each from one place.
 Images are prepared the way the head was trained (its card's policy and size) and go through the same
 batcher as embeddings. ``Accept: application/x-npy`` returns one array: probabilities [n, C] (class order
-in ``X-Vitembed-Classes``) or class ids [n, h, w] / [n, H, W].
+in ``X-Vitembed-Classes``) or class ids [n, h, w] / [n, H, W]. In JSON an upsampled mask is
+``{"shape": [H, W], "dtype": "uint8"|"uint16", "base64"}`` (row-major bytes), and a request whose masks
+would exceed ``max_upsample_pixels`` in total is refused (422 ``upsample_too_large``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response
 
 from vit_backbone.errors import InvalidOptionError
+from vit_backbone.heads.card import precision_label
 from vit_backbone.heads.patch import upsample_logits
 
 from .app import (
@@ -49,8 +52,9 @@ from .schemas import (
     parse_multipart,
     validation_error,
 )
-from .serialise import NPY_MEDIA_TYPE, dumps, timed
+from .serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from .served_heads import labels_json
+from .settings import HEAD_NAME_MAX
 
 CLASSIFY_OPTIONS = ("head", "top_k", "upsample", "upsample_mode")
 
@@ -61,7 +65,7 @@ class ClassifyOptionsIn(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     head: str | None = Field(
-        None, min_length=1, max_length=64, description="a served head (default: the only one)"
+        None, min_length=1, max_length=HEAD_NAME_MAX, description="a served head (default: the only one)"
     )
     top_k: int = Field(5, ge=1, le=1000, description="classifier heads: how many labels per image")
     upsample: bool = Field(False, description="patch heads: class ids at each input image's size too")
@@ -195,6 +199,14 @@ async def classify(
     npy = wants_npy(request.headers.get("accept"))
     if patch:
         values = sum(int(np.prod(size)) for size in outcome.source_sizes) if options.upsample else 0
+        if values > settings.max_upsample_pixels:
+            raise ApiError(
+                422,
+                "upsample_too_large",
+                f"upsample=true would return {values} mask pixels for these {len(images)} image(s), over "
+                f"the server's limit of {settings.max_upsample_pixels}: send fewer or smaller images, or "
+                "drop upsample and scale the patch grid yourself",
+            )
         result = await timed(metrics, lambda: _patch_body(outcome, options, npy), values=values)
     else:
         result = await timed(metrics, lambda: _labels_body(outcome, options.top_k, npy), values=0)
@@ -214,6 +226,29 @@ def _facts(outcome: ClassifyOutcome) -> dict[str, Any]:
     return {"head": outcome.head.name, "model": outcome.head.model, "kind": outcome.head.card.kind}
 
 
+def _provenance(outcome: ClassifyOutcome) -> dict[str, Any]:
+    """Where the numbers come from: the head's features and the precision they were computed in here
+    (``precision``) and at training time (``head_precision``; null on cards that did not record it)."""
+    card = outcome.head.card
+    return {
+        "revision": card.revision,
+        "preprocess_hash": card.preprocess_hash,
+        "pooling": card.pooling,
+        "layers": None if card.layers is None else list(card.layers),
+        "policy": outcome.head.inputs.policy,
+        "precision": precision_label(outcome.precision),
+        "head_precision": card.precision,
+    }
+
+
+def mask_json(mask: np.ndarray, num_classes: int) -> dict[str, Any]:
+    """A class-id mask [H, W] as base64 of its row-major bytes: uint8 up to 256 classes, else uint16
+    (little-endian). Nested JSON lists would cost ~4 bytes per pixel and much more time to encode."""
+    dtype = "uint8" if num_classes <= 256 else "uint16"
+    data = np.ascontiguousarray(mask, dtype="<u2" if dtype == "uint16" else "u1")
+    return {"shape": list(mask.shape), "dtype": dtype, "base64": b64(data)}
+
+
 def _npy(array: np.ndarray, outcome: ClassifyOutcome) -> tuple[bytes, dict[str, str]]:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
@@ -231,7 +266,7 @@ def _labels_body(outcome: ClassifyOutcome, top_k: int, npy: bool) -> tuple[bytes
         {"index": index, "labels": labels_json(classes, row, top_k)}
         for index, row in enumerate(outcome.outputs)
     ]
-    return dumps({**_facts(outcome), "data": data}), {}
+    return dumps({**_facts(outcome), "data": data, "provenance": _provenance(outcome)}), {}
 
 
 def _patch_body(
@@ -261,6 +296,7 @@ def _patch_body(
         item: dict[str, Any] = {"index": index, "grid": grid.tolist()}
         if options.upsample:
             item["size"] = list(outcome.source_sizes[index])
-            item["mask"] = masks[index].tolist()
+            item["mask"] = mask_json(masks[index], outcome.head.card.num_classes)
         data.append(item)
-    return dumps({**_facts(outcome), "classes": list(outcome.head.card.classes), "data": data}), {}
+    body = {**_facts(outcome), "classes": list(outcome.head.card.classes), "data": data}
+    return dumps({**body, "provenance": _provenance(outcome)}), {}

@@ -19,7 +19,7 @@ import numpy as np
 from .engine import EmbedOutcome
 from .errors import ApiError
 from .metrics import Metrics
-from .served_heads import heads_json
+from .served_heads import heads_json, heads_provenance, non_finite_head
 
 T = TypeVar("T")
 
@@ -101,16 +101,15 @@ def embed_json(outcome: EmbedOutcome, *, dtype: str, encoding: str, return_grid:
         if with_grid:
             item["grid"] = list(outcome.grids[index])
         if outcome.heads:  # computed from the same forward pass as the embedding
-            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index], index)
+            bad = non_finite_head(outcome.heads, outcome.head_outputs[index])
+            if bad is not None:
+                raise ApiError(500, "non_finite", f"head {bad!r} produced non-finite values", index=index)
+            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index])
         data.append(item)
-    return dumps(
-        {
-            "model": outcome.model,
-            "dim": int(vectors.shape[-1]),
-            "data": data,
-            "provenance": provenance(outcome, dtype),
-        }
-    )
+    facts = provenance(outcome, dtype)
+    if outcome.heads:
+        facts["heads"] = heads_provenance(outcome.heads, outcome.precision)
+    return dumps({"model": outcome.model, "dim": int(vectors.shape[-1]), "data": data, "provenance": facts})
 
 
 def embed_npy(outcome: EmbedOutcome, *, dtype: str) -> tuple[bytes, dict[str, str]]:

@@ -8,6 +8,7 @@ message that names both sides: a server must never answer with a head on the wro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +19,18 @@ import torch
 
 from vit_backbone.errors import InvalidOptionError, ModelNotFoundError, VitEmbedError
 from vit_backbone.heads import Head, HeadCard, PatchHead, load_head, read_card
+from vit_backbone.heads.card import precision_label
 from vit_backbone.heads.predict import HeadInputs, head_inputs
 
 if TYPE_CHECKING:
     from vit_backbone.backbone import Backbone
     from vit_backbone.pooling import Pooling
+    from vit_backbone.preprocess import Preprocessor
 
     from .settings import ServiceSettings
+
+
+log = logging.getLogger(__name__)
 
 
 class HeadStartupError(ValueError):
@@ -80,16 +86,34 @@ def preflight_heads(settings: ServiceSettings) -> None:
 
 
 def bind_heads(heads: Mapping[str, str], backbones: Mapping[str, Backbone]) -> dict[str, BoundHead]:
+    """Load each head, check it against its served model, and move its tensors to that model's device
+    (heads are tiny: moving them once beats moving every batch's features to the CPU)."""
     served = {m: (bb.checkpoint.revision, bb.preprocess_config.hash()) for m, bb in backbones.items()}
     bound: dict[str, BoundHead] = {}
     for name, path in heads.items():
         try:
             model = _match(name, path, read_card(path), served)
-            head = load_head(path, backbones[model])  # checks blocks and width too
+            head = load_head(path, backbones[model])  # checks blocks, width and position rule too
         except VitEmbedError as exc:
             raise HeadStartupError(f"head {name!r} ({path}): {exc}") from exc
-        bound[name] = BoundHead(name, path, model, head, head_inputs(head.card, backbones[model]))
+        backbone = backbones[model]
+        _warn_precision(name, model, head.card, backbone)
+        bound[name] = BoundHead(name, path, model, head.to(backbone.device), head_inputs(head.card, backbone))
     return bound
+
+
+def _warn_precision(name: str, model: str, card: HeadCard, backbone: Backbone) -> None:
+    served = precision_label(backbone.autocast)
+    if card.precision is not None and card.precision != served:
+        log.warning(
+            "head %s was trained on %s features; model %s serves them in %s, so its probabilities differ "
+            "slightly from the training-time ones (start with --precision %s for exact parity)",
+            name,
+            card.precision,
+            model,
+            served,
+            card.precision,
+        )
 
 
 def get_head(bound: Mapping[str, BoundHead], name: str) -> BoundHead:
@@ -102,15 +126,48 @@ def get_head(bound: Mapping[str, BoundHead], name: str) -> BoundHead:
     return head
 
 
+_PROBE_SOURCES = ((224, 224), (300, 500), (500, 300), (97, 1003))  # (H, W): square, wide, tall, odd
+
+
+def pixel_plan(
+    preprocessor: Preprocessor, policy: str, size: tuple[int, int] | None
+) -> tuple[str, tuple[tuple[tuple[int, int], tuple[int, int] | None], ...]] | None:
+    """What (policy, size) does to images, resolved: per probe source the output size and the resize.
+    Two options with equal plans make the same pixels (``size`` omitted vs. the default size given)."""
+    try:
+        return policy, tuple(
+            (
+                preprocessor.target_size(policy, size, source),  # type: ignore[arg-type]
+                preprocessor.min_decode_size(policy, size, source),  # type: ignore[arg-type]
+            )
+            for source in _PROBE_SOURCES
+        )
+    except VitEmbedError:
+        return None  # not resolvable: compare the options as given
+
+
+def same_pixels(
+    preprocessor: Preprocessor,
+    theirs: tuple[str, tuple[int, int] | None],
+    ours: tuple[str, tuple[int, int] | None],
+) -> bool:
+    if theirs == ours:
+        return True
+    plans = pixel_plan(preprocessor, *theirs), pixel_plan(preprocessor, *ours)
+    return plans[0] is not None and plans[0] == plans[1]
+
+
 def select_heads(
     bound: Mapping[str, BoundHead],
     names: Sequence[str],
     model: str,
     policy: str,
     size: tuple[int, int] | None,
+    preprocessor: Preprocessor,
 ) -> tuple[BoundHead, ...]:
     """The requested heads, in order, each checked against the request: it exists, runs on this model, and
-    reads the pixels this request makes (same policy and size), so that one forward pass serves all."""
+    reads the pixels this request makes (same resolved policy and size), so that one forward pass serves
+    all."""
     chosen: list[BoundHead] = []
     for name in dict.fromkeys(names):
         head = get_head(bound, name)
@@ -119,7 +176,7 @@ def select_heads(
                 f"head {name!r} runs on model {head.model!r}, not {model!r}; ask for model={head.model}",
                 code="head_model_mismatch",
             )
-        if (head.inputs.policy, head.inputs.size) != (policy, size):
+        if not same_pixels(preprocessor, (head.inputs.policy, head.inputs.size), (policy, size)):
             theirs = f"policy={head.inputs.policy} size={_size(head.inputs.size)}"
             raise InvalidOptionError(
                 f"head {name!r} reads images prepared with {theirs}; this request uses policy={policy} "
@@ -171,16 +228,36 @@ def labels_json(
     return [{"label": classes[i], "probability": float(probabilities[i])} for i in order]
 
 
-def heads_json(heads: Sequence[BoundHead], outputs: Mapping[str, np.ndarray], index: int) -> dict[str, Any]:
-    """One image's head outputs for ``/v1/embed?heads=``: every class with its probability (classifiers),
-    or the class-id grid [h][w] (patch heads)."""
-    from .errors import ApiError
+def non_finite_head(heads: Sequence[BoundHead], outputs: Mapping[str, np.ndarray]) -> str | None:
+    """The first head whose outputs for this image hold NaN or infinity (the caller turns it into a 500)."""
+    return next((h.name for h in heads if not np.isfinite(outputs[h.name]).all()), None)
 
+
+def heads_provenance(heads: Sequence[BoundHead], served_precision: str) -> dict[str, Any]:
+    """Per head: its kind, the precision its inputs were computed in here and the one it was trained on."""
+    return {
+        head.name: {
+            "kind": head.card.kind,
+            "precision": precision_label(served_precision),
+            "head_precision": head.card.precision,
+        }
+        for head in heads
+    }
+
+
+def card_json(card: HeadCard) -> dict[str, Any]:
+    """The card as ``/v1/models`` shows it: without ``data`` (a path on the server's filesystem)."""
+    out = card.to_dict()
+    out.pop("data", None)
+    return out
+
+
+def heads_json(heads: Sequence[BoundHead], outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """One image's head outputs for ``/v1/embed?heads=``: every class with its probability (classifiers),
+    or the class-id grid [h][w] (patch heads). Outputs are finite (checked with ``non_finite_head``)."""
     out: dict[str, Any] = {}
     for head in heads:
         values = outputs[head.name]
-        if not np.isfinite(values).all():
-            raise ApiError(500, "non_finite", f"head {head.name!r} produced non-finite values", index=index)
         if head.card.kind == "patch":
             out[head.name] = {"grid": values.argmax(axis=-1).tolist()}
         else:

@@ -16,7 +16,7 @@ from heads_synthetic import CLASSES, make_labelled_folder, make_segmentation_fol
 
 from service.engine import Engine
 from service.metrics import Metrics
-from service.served_heads import HeadStartupError, preflight_heads
+from service.served_heads import HeadStartupError, preflight_heads, same_pixels
 from service.settings import ServiceSettings
 from vit_backbone import Backbone, load_backbone
 from vit_backbone.heads import Head, TrainOptions, load_head, save_head, train_head
@@ -100,8 +100,13 @@ async def test_models_list_each_head_with_its_card(server: Server, heads: dict[s
     response = await server.client.get("/v1/models")
     assert response.status_code == 200, response.text
     infos = {model["id"]: model["info"] for model in response.json()["data"]}
-    assert infos["tiny"]["heads"] == {name: heads[name].card.to_dict() for name in ("lin", "knn", "seg")}
-    assert infos["other"]["heads"] == {"other_lin": heads["other_lin"].card.to_dict()}
+
+    def shown(name: str) -> dict[str, Any]:  # the card without "data", a path on the server's disk
+        return {k: v for k, v in heads[name].card.to_dict().items() if k != "data"}
+
+    assert infos["tiny"]["heads"] == {name: shown(name) for name in ("lin", "knn", "seg")}
+    assert infos["other"]["heads"] == {"other_lin": shown("other_lin")}
+    assert str(Path(heads["lin"].card.data).parent) not in response.text
 
 
 async def test_classify_multipart_equals_the_python_api(
@@ -125,6 +130,16 @@ async def test_classify_multipart_equals_the_python_api(
         assert names == want_names
         np.testing.assert_allclose(values, want_values, atol=TOL, rtol=0)
     assert [labels_of(item)[0][0] for item in body["data"]] == list(CLASSES)  # and they are right
+    card = heads["lin"].card
+    assert body["provenance"] == {
+        "revision": card.revision,
+        "preprocess_hash": card.preprocess_hash,
+        "pooling": "mean",
+        "layers": [0],
+        "policy": "crop",
+        "precision": "float32",  # computed here (the test server runs float32)
+        "head_precision": "float32",  # and when the head was trained
+    }
 
 
 async def test_classify_json_query_options_and_npy(
@@ -141,7 +156,7 @@ async def test_classify_json_query_options_and_npy(
     as_npy = await server.client.post(
         "/v1/classify", json={**payload, "head": "knn"}, headers={"Accept": "application/x-npy"}
     )
-    assert as_npy.status_code == 200, as_npy.text
+    assert as_npy.status_code == 200, as_npy.text  # before reading it as .npy
     array = np.load(io.BytesIO(as_npy.content), allow_pickle=False)
     assert array.dtype == np.dtype("<f4") and array.shape == (3, 3)
     np.testing.assert_allclose(array, expected, atol=TOL, rtol=0)
@@ -161,6 +176,25 @@ async def test_embed_with_heads_is_one_forward_pass_and_equals_the_python_api(
         await server.metric("vitembed_forward_passes_total", model="tiny") == before + 1
     )  # 3 images, 3 outputs
     body = response.json()
+    assert body["provenance"]["heads"] == {
+        "lin": {"kind": "linear", "precision": "float32", "head_precision": "float32"},
+        "knn": {"kind": "knn", "precision": "float32", "head_precision": "float32"},
+    }
+    assert [list(item["heads"]) for item in body["data"]] == [["lin", "knn"]] * 3  # as requested
+    reversed_order = await server.client.post(
+        "/v1/embed", files=[("image", d) for d in photos], data={"heads": "knn,lin"}
+    )
+    assert reversed_order.status_code == 200, reversed_order.text
+    assert [item["heads"] for item in reversed_order.json()["data"]] == [
+        {"knn": item["heads"]["knn"], "lin": item["heads"]["lin"]} for item in body["data"]
+    ]
+    assert [list(item["heads"]) for item in reversed_order.json()["data"]] == [["knn", "lin"]] * 3
+    # the head's size given explicitly, equal to the default it was trained with: the same pixels
+    sized = await server.client.post(
+        "/v1/embed", files=[("image", d) for d in photos], data={"heads": "lin,knn", "size": "56,56"}
+    )
+    assert sized.status_code == 200, sized.text
+    assert [item["heads"] for item in sized.json()["data"]] == [item["heads"] for item in body["data"]]
     np.testing.assert_allclose(
         [item["embedding"] for item in body["data"]], reference.embed(photos), atol=TOL, rtol=0
     )  # the embedding is unchanged by the heads (default: cls of the last block)
@@ -207,13 +241,17 @@ async def test_patch_head_grids_and_upsampled_masks(
     assert body["classes"] == ["background", "red_square", "blue_disc"]
     assert [item["grid"] for item in body["data"]] == [g.tolist() for g in grids]
     assert [item["size"] for item in body["data"]] == [[112, 112], [112, 112]]
-    assert [item["mask"] for item in body["data"]] == [m.tolist() for m in masks]
+    for item, mask in zip(body["data"], masks, strict=True):
+        assert (item["mask"]["shape"], item["mask"]["dtype"]) == ([112, 112], "uint8")
+        decoded = np.frombuffer(base64.b64decode(item["mask"]["base64"]), np.uint8).reshape(112, 112)
+        np.testing.assert_array_equal(decoded, mask)
     as_npy = await server.client.post(
         "/v1/classify",
         files=[("image", d) for d in data],
         data={"head": "seg", "upsample": "true"},
         headers={"Accept": "application/x-npy"},
     )
+    assert as_npy.status_code == 200, as_npy.text
     array = np.load(io.BytesIO(as_npy.content), allow_pickle=False)
     assert array.dtype == np.dtype("<i4")
     np.testing.assert_array_equal(array, np.stack(masks))
@@ -307,6 +345,34 @@ async def test_refusals_have_exact_bodies(
     }
 
 
+async def test_upsampled_masks_over_the_limit_are_refused(
+    serve: OpenServer, head_paths: dict[str, Path], err: Callable[[Any], dict[str, Any]]
+) -> None:
+    pairs = [segmentation_pair(71_000 + i) for i in range(2)]
+    data = []
+    for image, _ in pairs:
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        data.append(buffer.getvalue())
+    async with serve(heads={"seg": str(head_paths["seg"])}, max_upsample_pixels=20_000) as small:
+        one = await small.client.post(
+            "/v1/classify", files=[("image", data[0])], data={"upsample": "true"}
+        )  # 112 x 112 = 12,544 pixels: within the limit
+        assert one.status_code == 200, one.text
+        two = await small.client.post(
+            "/v1/classify", files=[("image", d) for d in data], data={"upsample": "true"}
+        )
+        assert two.status_code == 422, two.text
+        assert err(two) == {
+            "code": "upsample_too_large",
+            "message": "upsample=true would return 25088 mask pixels for these 2 image(s), over the "
+            "server's limit of 20000: send fewer or smaller images, or drop upsample and scale the patch "
+            "grid yourself",
+        }
+        grids = await small.client.post("/v1/classify", files=[("image", d) for d in data])
+        assert grids.status_code == 200, grids.text  # the grids alone are always small
+
+
 def test_a_head_that_fits_no_served_model_stops_start_up(
     tiny_path: Path, head_paths: dict[str, Path], heads: dict[str, Head], reference: Backbone
 ) -> None:
@@ -328,3 +394,16 @@ def test_a_head_that_fits_no_served_model_stops_start_up(
         assert not engine.ready
     finally:
         engine.stop()
+
+
+def test_explicit_default_size_is_the_same_pixels(reference: Backbone) -> None:
+    """A head trained without a size accepts a request giving the default size, and the reverse; another
+    size, or another policy, is other pixels."""
+    pre = reference.preprocessor
+    default = pre.config.crop_size  # the tiny DINOv2: shortest edge 64, centre crop 56x56
+    assert default == (56, 56)
+    assert same_pixels(pre, ("crop", None), ("crop", default))
+    assert same_pixels(pre, ("crop", default), ("crop", None))
+    assert same_pixels(pre, ("squash", pre.config.default_box), ("squash", None))
+    assert not same_pixels(pre, ("crop", None), ("crop", (112, 112)))
+    assert not same_pixels(pre, ("crop", None), ("squash", None))

@@ -22,6 +22,11 @@ class Head(Protocol):
         """The weights, as saved to ``HEAD.safetensors``."""
         ...
 
+    def to(self, device: torch.device | str) -> Head:
+        """The same head with every tensor on ``device``: heads are tiny, so they move to the backbone's
+        device once (at bind time) instead of every batch's features moving to the CPU."""
+        ...
+
 
 def as_float_tensor(features: torch.Tensor | np.ndarray) -> torch.Tensor:
     """A plain float32 CPU tensor that autograd may use (backbone outputs are inference-mode tensors)."""

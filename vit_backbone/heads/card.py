@@ -41,6 +41,13 @@ class HeadCard:
     data: str = ""  # where the training data came from (folder or Parquet path)
     created: str = ""  # ISO 8601, UTC
     format: int = CARD_FORMAT
+    # compute precision of the training features: "float32", "bfloat16", "float16"; None = not recorded
+    # (older cards, catalogs written before they recorded it). Informational: a server in another precision
+    # runs the head with a warning (probabilities differ by ~1e-3, see the README), it does not refuse it.
+    precision: str | None = None
+    # position-table rule the features were made with ("transformers", ..., "rope"); None = not recorded.
+    # A backbone with another rule makes other features at non-native sizes: load_head refuses it.
+    interpolation: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -96,6 +103,13 @@ class HeadCard:
         except json.JSONDecodeError as exc:
             raise InvalidOptionError(f"the head card is not valid JSON: {exc}") from exc
         return cls.from_dict(raw)
+
+
+def precision_label(autocast: object) -> str:
+    """``None`` (plain float32) or a torch dtype / its name → "float32" | "bfloat16" | "float16"."""
+    if autocast is None:
+        return "float32"
+    return str(autocast).removeprefix("torch.").split()[0]
 
 
 def utc_now() -> str:

@@ -64,6 +64,8 @@ def backbone_differences(card: HeadCard, backbone: Backbone) -> list[str]:
     differences = feature_differences(
         card, revision=backbone.checkpoint.revision, preprocess_hash=backbone.preprocess_config.hash()
     )
+    if card.interpolation is not None and card.interpolation != backbone.info_interpolation:
+        differences.append(f"interpolation {card.interpolation} != {backbone.info_interpolation}")
     try:
         layers = backbone.resolve_layers(list(card.layers) if card.layers is not None else None)
     except InvalidOptionError:

@@ -3,9 +3,9 @@
 Training a head is cheap; the forward passes are not. Each image's feature is stored under a key made of
 the file's content hash (SHA-256 of its bytes, so renaming or copying a file costs nothing and editing it
 invalidates it) and the facts that decide the numbers: backbone revision, preprocessing hash, pooling,
-blocks, size, policy, position rule and autocast dtype. Retraining with another head kind or other
-hyperparameters reuses every feature. Files are written to a temporary name and renamed (a crash never
-leaves half an array).
+blocks, size, policy, position rule, weights' dtype and autocast dtype. Retraining with another head kind
+or other hyperparameters reuses every feature. Files are written to a temporary name and renamed (a crash
+never leaves half an array).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class FeatureKey:
     policy: str
     interpolation: str
     autocast: str | None
+    dtype: str  # the weights' dtype (a float16 copy of a checkpoint makes other features)
 
     @classmethod
     def of(
@@ -59,6 +60,7 @@ class FeatureKey:
             policy=policy,
             interpolation=backbone.info_interpolation,
             autocast=None if backbone.autocast is None else str(backbone.autocast).removeprefix("torch."),
+            dtype=str(backbone.dtype).removeprefix("torch."),
         )
 
     def digest(self) -> str:
@@ -68,6 +70,15 @@ class FeatureKey:
 
 def content_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    """SHA-256 of a file, read in blocks: hashing a folder never holds more than one block in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class FeatureCache:
@@ -123,19 +134,20 @@ def cached_features(
     stats = stats if stats is not None else CacheStats()
     key = FeatureKey.of(backbone, pooling=chosen, layers=layers, size=size, policy=policy)
     results: list[np.ndarray | None] = [None] * len(files)
-    missing: list[tuple[int, Path, bytes, str]] = []
+    missing: list[tuple[int, Path]] = []  # no bytes kept: a chunk's files are read again when it is embedded
     for index, file in enumerate(files):
-        data = Path(file).read_bytes()
-        digest = content_hash(data)
-        found = cache.get(key, digest) if cache is not None else None
+        found = cache.get(key, file_hash(Path(file))) if cache is not None else None
         if found is not None:
             results[index] = found
             stats.hits += 1
         else:
-            missing.append((index, Path(file), data, digest))
+            missing.append((index, Path(file)))
     for start in range(0, len(missing), _CHUNK):
-        chunk = missing[start : start + _CHUNK]
-        prepared = [_prepare(backbone, path, data, size, policy) for _, path, data, _ in chunk]
+        chunk: list[tuple[int, str, Prepared]] = []
+        for index, path in missing[start : start + _CHUNK]:
+            data = path.read_bytes()  # hashed again: the key is what was embedded, even if the file changed
+            chunk.append((index, content_hash(data), _prepare(backbone, path, data, size, policy)))
+        prepared = [p for _, _, p in chunk]
         grids = {p.grid for p in prepared}
         if chosen == "patch" and len(grids) > 1:  # one array per image: embed grids one by one
             vectors = [
@@ -146,7 +158,7 @@ def cached_features(
             vectors = list(
                 backbone.embed_prepared(prepared, pooling=chosen, layers=layers, batch_size=batch_size)
             )
-        for (index, _, _, digest), vector in zip(chunk, vectors, strict=True):
+        for (index, digest, _), vector in zip(chunk, vectors, strict=True):
             array = np.asarray(vector, dtype=np.float32)
             if cache is not None:
                 cache.put(key, digest, array)

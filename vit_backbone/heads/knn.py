@@ -9,6 +9,7 @@ features themselves: there is nothing else to learn.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,11 +42,11 @@ def knn_proba(
         sims = queries[start : start + _CHUNK] @ bank.T  # [b, N]
         top, index = sims.topk(k, dim=1)  # [b, k]
         weights = (top / temperature).exp()  # [b, k]
-        votes = torch.zeros(len(top), num_classes, dtype=weights.dtype)  # [b, C]
+        votes = torch.zeros(len(top), num_classes, dtype=weights.dtype, device=weights.device)  # [b, C]
         votes.scatter_add_(1, bank_labels[index], weights)
         out.append(votes / votes.sum(dim=1, keepdim=True))
     if not out:
-        return torch.zeros(0, num_classes)
+        return torch.zeros(0, num_classes, device=bank.device)
     return torch.cat(out)  # [B, C]
 
 
@@ -119,6 +120,12 @@ class KnnHead:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"bank": self.bank, "labels": self.labels}
+
+    def to(self, device: torch.device | str) -> KnnHead:
+        """The bank on ``device``: the similarity of a batch to the bank runs where its features are."""
+        moved = copy.copy(self)  # validated already; label values cannot be read back on every device
+        moved.bank, moved.labels = self.bank.to(device), self.labels.to(device)
+        return moved
 
     @classmethod
     def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> KnnHead:

@@ -19,24 +19,11 @@ import torch
 from ..errors import InvalidOptionError
 from .base import as_float_tensor, l2_normalize
 from .card import HeadCard
+from .softmax import SoftmaxParams, check_params, params_from_tensors, params_tensors
 
 WEIGHT_DECAYS: tuple[float, ...] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5, 0.0)
 DEFAULT_WEIGHT_DECAY = 1e-3
 MAX_ITER = 300
-
-
-@dataclass(frozen=True)
-class SoftmaxParams:
-    """A standardise-then-linear classifier: logits = ((x - mean) / scale) @ weight.T + bias."""
-
-    mean: torch.Tensor  # [F]
-    scale: torch.Tensor  # [F]
-    weight: torch.Tensor  # [C, F]
-    bias: torch.Tensor  # [C]
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        z = (x.float() - self.mean) / self.scale  # [..., F]
-        return z @ self.weight.T + self.bias  # [..., C]
 
 
 @dataclass(frozen=True)
@@ -130,7 +117,7 @@ class LinearHead:
     def __init__(self, card: HeadCard, params: SoftmaxParams) -> None:
         if card.kind != "linear":
             raise InvalidOptionError(f"LinearHead needs a card of kind 'linear', got {card.kind!r}")
-        _check_params(card, params)
+        check_params(card, params)
         self.card = card
         self.params = params
 
@@ -143,31 +130,9 @@ class LinearHead:
     def tensors(self) -> dict[str, torch.Tensor]:
         return params_tensors(self.params)
 
+    def to(self, device: torch.device | str) -> LinearHead:
+        return LinearHead(self.card, self.params.to(device))
+
     @classmethod
     def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> LinearHead:
         return cls(card, params_from_tensors(tensors))
-
-
-def params_tensors(params: SoftmaxParams) -> dict[str, torch.Tensor]:
-    return {"mean": params.mean, "scale": params.scale, "weight": params.weight, "bias": params.bias}
-
-
-def params_from_tensors(tensors: dict[str, torch.Tensor]) -> SoftmaxParams:
-    missing = sorted({"mean", "scale", "weight", "bias"} - set(tensors))
-    if missing:
-        raise InvalidOptionError(f"the head file lacks tensor(s) {missing}")
-    return SoftmaxParams(
-        tensors["mean"].float(), tensors["scale"].float(), tensors["weight"].float(), tensors["bias"].float()
-    )
-
-
-def _check_params(card: HeadCard, params: SoftmaxParams) -> None:
-    shapes = {
-        "mean": (tuple(params.mean.shape), (card.feature_dim,)),
-        "scale": (tuple(params.scale.shape), (card.feature_dim,)),
-        "weight": (tuple(params.weight.shape), (card.num_classes, card.feature_dim)),
-        "bias": (tuple(params.bias.shape), (card.num_classes,)),
-    }
-    wrong = [f"{name} {got} (card says {want})" for name, (got, want) in shapes.items() if got != want]
-    if wrong:
-        raise InvalidOptionError(f"the head's tensors do not fit its card: {'; '.join(wrong)}")

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from ..errors import InvalidOptionError
 from .base import as_float_tensor, l2_normalize
 from .card import HeadCard
-from .linear import SoftmaxParams, _check_params, fit_softmax, params_from_tensors, params_tensors
+from .linear import fit_softmax
+from .softmax import SoftmaxParams, check_params, params_from_tensors, params_tensors
 
 IGNORE = 255  # mask value that marks pixels without a class
 PATCH_POLICIES: tuple[str, ...] = ("squash", "dynamic")
@@ -160,7 +161,7 @@ class PatchHead:
     def __init__(self, card: HeadCard, params: SoftmaxParams) -> None:
         if card.kind != "patch":
             raise InvalidOptionError(f"PatchHead needs a card of kind 'patch', got {card.kind!r}")
-        _check_params(card, params)
+        check_params(card, params)
         self.card = card
         self.params = params
 
@@ -178,6 +179,9 @@ class PatchHead:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return params_tensors(self.params)
+
+    def to(self, device: torch.device | str) -> PatchHead:
+        return PatchHead(self.card, self.params.to(device))
 
     @classmethod
     def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> PatchHead:

@@ -7,7 +7,7 @@ saved head's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidOptionError
 from .base import Head
-from .card import HEAD_KINDS, HeadCard, HeadKind, utc_now
+from .card import HEAD_KINDS, HeadCard, HeadKind, precision_label, utc_now
 from .compat import check_compatible
 from .data import (
     EmbeddingTable,
@@ -107,28 +107,75 @@ def train_head(
     return _train_classifier(backbone, Path(data), options, cache)
 
 
-def _card(
-    backbone: Backbone,
-    options: TrainOptions,
-    *,
-    pooling: str,
-    layers: list[int] | None,
-    policy: str,
-    **facts: Any,
-) -> HeadCard:
-    return HeadCard(
-        kind=options.kind,
-        backbone=backbone.checkpoint.name,
-        revision=backbone.checkpoint.revision,
-        preprocess_hash=backbone.preprocess_config.hash(),
-        pooling=pooling,
-        layers=None if layers is None else tuple(layers),
-        size=options.size,
-        policy=policy,
-        normalized=False,
-        created=utc_now(),
-        **facts,
-    )
+@dataclass(frozen=True)
+class CardFacts:
+    """What a head's card says about its features and data, whatever the head kind fitted on them."""
+
+    backbone: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: tuple[int, ...] | None
+    size: tuple[int, int] | None
+    policy: str | None
+    normalized: bool
+    feature_dim: int
+    classes: tuple[str, ...]
+    train_count: int
+    val_count: int
+    data: str
+    precision: str | None
+    interpolation: str | None
+
+    @classmethod
+    def of_backbone(
+        cls,
+        backbone: Backbone,
+        options: TrainOptions,
+        *,
+        pooling: str,
+        layers: list[int] | None,
+        policy: str,
+        feature_dim: int,
+        classes: tuple[str, ...],
+        train_count: int,
+        val_count: int,
+        data: str,
+    ) -> CardFacts:
+        return cls(
+            backbone=backbone.checkpoint.name,
+            revision=backbone.checkpoint.revision,
+            preprocess_hash=backbone.preprocess_config.hash(),
+            pooling=pooling,
+            layers=None if layers is None else tuple(layers),
+            size=options.size,
+            policy=policy,
+            normalized=False,
+            feature_dim=feature_dim,
+            classes=classes,
+            train_count=train_count,
+            val_count=val_count,
+            data=data,
+            precision=precision_label(backbone.autocast),
+            interpolation=backbone.info_interpolation,
+        )
+
+    def card(
+        self,
+        kind: HeadKind,
+        *,
+        val_accuracy: float | None,
+        hyperparameters: dict[str, Any],
+        val_miou: float | None = None,
+    ) -> HeadCard:
+        return HeadCard(
+            kind=kind,
+            val_accuracy=val_accuracy,
+            val_miou=val_miou,
+            hyperparameters=hyperparameters,
+            created=utc_now(),
+            **asdict(self),
+        )
 
 
 def _train_classifier(
@@ -159,19 +206,19 @@ def _train_classifier(
     x = np.stack(features)  # [N, F]
     y = np.asarray(dataset.labels, dtype=np.int64)
     train, val = split(y, options.val_fraction, options.seed)
-    common = {
-        "pooling": pooling,
-        "layers": layers,
-        "policy": policy,
-        "feature_dim": int(x.shape[1]),
-        "classes": dataset.classes,
-        "train_count": len(train),
-        "val_count": len(val),
-        "data": str(folder),
-    }
-    head = _fit_classifier(
-        options, x[train], y[train], x[val], y[val], len(dataset.classes), common, backbone
+    facts = CardFacts.of_backbone(
+        backbone,
+        options,
+        pooling=pooling,
+        layers=layers,
+        policy=policy,
+        feature_dim=int(x.shape[1]),
+        classes=dataset.classes,
+        train_count=len(train),
+        val_count=len(val),
+        data=str(folder),
     )
+    head = _fit_classifier(options, x[train], y[train], x[val], y[val], facts)
     return TrainResult(head, stats)
 
 
@@ -181,21 +228,13 @@ def _fit_classifier(
     y_train: np.ndarray,
     x_val: np.ndarray,
     y_val: np.ndarray,
-    num_classes: int,
-    common: dict[str, Any],
-    backbone: Backbone | None,
-    base: dict[str, Any] | None = None,
+    facts: CardFacts,
 ) -> Head:
-    def make_card(**facts: Any) -> HeadCard:
-        if base is not None:
-            return HeadCard(**{**base, **facts})
-        if backbone is None:
-            raise InvalidOptionError("a head card needs the backbone or the catalog's facts")
-        return _card(backbone, options, **common, **facts)
-
+    num_classes = len(facts.classes)
     if options.kind == "linear":
         fit = fit_softmax(x_train, y_train, x_val, y_val, num_classes)
-        card = make_card(
+        card = facts.card(
+            "linear",
             val_accuracy=fit.val_accuracy,
             hyperparameters={
                 "weight_decay": fit.weight_decay,
@@ -207,7 +246,8 @@ def _fit_classifier(
         return LinearHead(card, fit.params)
     if options.kind == "knn":
         knn = fit_knn(x_train, y_train, x_val, y_val, num_classes)
-        card = make_card(
+        card = facts.card(
+            "knn",
             val_accuracy=knn.val_accuracy,
             hyperparameters={"k": knn.k, "temperature": TEMPERATURE, "k_grid": knn.tried},
         )
@@ -237,25 +277,27 @@ def train_from_embeddings(
     y = np.asarray(table.labels, dtype=np.int64)
     train, val = split(y, options.val_fraction, options.seed)
     size = meta.get("size")
-    base = {
-        "kind": options.kind,
-        "backbone": str(meta["model"]),
-        "revision": str(meta["revision"]),
-        "preprocess_hash": str(meta["preprocess_hash"]),
-        "pooling": str(meta["pooling"]),
-        "layers": None if meta["layers"] is None else tuple(int(i) for i in meta["layers"]),
-        "size": None if size is None else (int(size[0]), int(size[1])),
-        "policy": meta.get("policy"),
-        "normalized": bool(meta["normalized"]),
-        "feature_dim": int(meta["dim"]),
-        "classes": table.classes,
-        "train_count": len(train),
-        "val_count": len(val),
-        "data": source,
-        "created": utc_now(),
-    }
+    precision = meta.get("precision")
+    interpolation = meta.get("interpolation")
+    facts = CardFacts(
+        backbone=str(meta["model"]),
+        revision=str(meta["revision"]),
+        preprocess_hash=str(meta["preprocess_hash"]),
+        pooling=str(meta["pooling"]),
+        layers=None if meta["layers"] is None else tuple(int(i) for i in meta["layers"]),
+        size=None if size is None else (int(size[0]), int(size[1])),
+        policy=meta.get("policy"),
+        normalized=bool(meta["normalized"]),
+        feature_dim=int(meta["dim"]),
+        classes=table.classes,
+        train_count=len(train),
+        val_count=len(val),
+        data=source,
+        precision=precision_label(precision) if precision else None,  # optional in the catalog's metadata
+        interpolation=str(interpolation) if interpolation else None,
+    )
     x = table.features
-    head = _fit_classifier(options, x[train], y[train], x[val], y[val], len(table.classes), {}, None, base)
+    head = _fit_classifier(options, x[train], y[train], x[val], y[val], facts)
     if backbone is not None:
         check_compatible(head.card, backbone, what=f"a head on the vectors in {source!r}")
     return head
@@ -304,7 +346,7 @@ def _train_patch(
         [masks[i] for i in val],
         num_classes,
     )
-    card = _card(
+    facts = CardFacts.of_backbone(
         backbone,
         options,
         pooling="patch",
@@ -312,6 +354,12 @@ def _train_patch(
         policy=policy,
         feature_dim=int(features[0].shape[-1]),
         classes=dataset.classes,
+        train_count=len(train),
+        val_count=len(val),
+        data=str(folder),
+    )
+    card = facts.card(
+        "patch",
         val_accuracy=None if fit.val_score is None else fit.val_score.pixel_accuracy,
         val_miou=None if fit.val_score is None else fit.val_score.miou,
         hyperparameters={
@@ -322,9 +370,6 @@ def _train_patch(
             "ignore_value": IGNORE,
             "mask_to_grid": "area vote",
         },
-        train_count=len(train),
-        val_count=len(val),
-        data=str(folder),
     )
     return TrainResult(PatchHead(card, fit.params), stats)
 

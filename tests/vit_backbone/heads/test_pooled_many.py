@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from vit_backbone import Backbone
+from vit_backbone import Backbone, load_backbone
 from vit_backbone.errors import InvalidOptionError
 from vit_backbone.preprocess import stack
 
@@ -42,6 +43,36 @@ REQUESTS: list[tuple[Any, Any]] = [
     ("gem", [0, 1]),
     ("cls_mean", None),
 ]
+
+
+FAMILIES = ("dinov2", "dinov2_registers", "dinov3", "vit", "clip", "siglip")
+
+
+@pytest.fixture(scope="module")
+def family_backbones(tiny_checkpoints: dict[str, Path]) -> dict[str, Backbone]:
+    assert tuple(tiny_checkpoints) == FAMILIES  # every family tests/conftest.py makes
+    return {family: load_backbone(path) for family, path in tiny_checkpoints.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_equals_separate_pooled_calls_in_one_forward(
+    family: str, family_backbones: dict[str, Backbone], sample_images: list[Any]
+) -> None:
+    """All six families, with the model's own pooler where it has one (vit, clip, siglip)."""
+    bb = family_backbones[family]
+    pixels = stack(bb.prepare(sample_images[:2], policy="squash"))[0]  # [2, 3, H, W]
+    requests: list[tuple[Any, Any]] = [("mean", [0]), ("patch", [1]), ("gem", None), ("mean", None)]
+    if bb.spec.has_cls:
+        requests += [("cls", None), ("linear_eval", [0, 1]), ("cls_mean", [0])]
+    if family in ("vit", "clip", "siglip"):
+        requests.append(("pooler", None))
+    separate = [bb.pooled(pixels, pooling, layers) for pooling, layers in requests]
+    with count_forwards(bb) as calls:
+        together = bb.pooled_many(pixels, requests)
+    assert calls[0] == 1
+    for mine, theirs in zip(together, separate, strict=True):
+        assert mine.shape == theirs.shape
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
 
 
 def test_equals_separate_pooled_calls_in_one_forward(tiny: Backbone, pixels: torch.Tensor) -> None:

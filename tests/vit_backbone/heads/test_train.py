@@ -4,6 +4,7 @@ random-init DINOv2: accuracy, the card's facts, the feature cache, and the Pytho
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from vit_backbone import Backbone
 from vit_backbone.errors import InvalidOptionError
 from vit_backbone.heads import FeatureCache, TrainOptions, train_head
 from vit_backbone.heads.data import read_labelled_folder
+from vit_backbone.heads.features_cache import cached_features
 from vit_backbone.heads.predict import predict_proba
 from vit_backbone.heads.train import split
 
@@ -98,3 +100,33 @@ def test_bad_folders_are_refused(tiny: Backbone, tmp_path: Path) -> None:
         train_head(tiny, tmp_path, TrainOptions(pooling="patch"))
     with pytest.raises(InvalidOptionError, match=r"val_fraction must be in"):
         TrainOptions(val_fraction=1.0)
+
+
+def test_uncached_files_are_read_one_chunk_at_a_time(
+    tiny: Backbone, labelled_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No list of every file's bytes: a chunk's files are read when that chunk is embedded, so memory is
+    bounded by the chunk whatever the folder's size; the features equal the all-at-once ones."""
+    import vit_backbone.heads.features_cache as features_cache
+
+    files = sorted(labelled_folder.rglob("*.png"))[:10]
+    expected = cached_features(tiny, files, pooling="mean", layers=None, size=None, policy="crop", cache=None)
+    events: list[str] = []
+    real_read, real_embed = Path.read_bytes, tiny.embed_prepared
+
+    def reading(path: Path) -> bytes:
+        events.append("read")
+        return real_read(path)
+
+    def embedding(prepared: Any, **options: Any) -> Any:
+        events.append("embed")
+        return real_embed(prepared, **options)
+
+    monkeypatch.setattr(features_cache, "_CHUNK", 4)
+    monkeypatch.setattr(Path, "read_bytes", reading)
+    monkeypatch.setattr(tiny, "embed_prepared", embedding)
+    cache = FeatureCache(tmp_path / "cache")
+    got = cached_features(tiny, files, pooling="mean", layers=None, size=None, policy="crop", cache=cache)
+    assert events == ["read"] * 4 + ["embed"] + ["read"] * 4 + ["embed"] + ["read"] * 2 + ["embed"]
+    for mine, theirs in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
