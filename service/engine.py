@@ -25,7 +25,7 @@ from vit_backbone.backbone import Backbone
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
 from vit_backbone.pooling import check_pooling
-from vit_backbone.precision import MIN_COSINE, autocast_dtype, min_cosine, pick_device, to_device
+from vit_backbone.precision import MIN_COSINE, choose_autocast, pick_device, to_device
 from vit_backbone.preprocess import Prepared, Preprocessor, stack
 
 from .batcher import (
@@ -50,8 +50,6 @@ from .served_heads import (
 from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
-
-SLOWER_VETO = 1.25  # auto precision: keep float32 only if bfloat16 took > 1.25x its warm-up time
 
 __all__ = [
     "CancelledWorkError",
@@ -183,47 +181,24 @@ class Engine:
         self._ready = True
 
     def _choose_precision(self, name: str, backbone: Backbone) -> str:
-        """bfloat16 autocast only if the hardware has it natively, it is not clearly slower here, and the
-        embeddings keep cosine ≥ 0.999 to float32 on the warm-up images; otherwise float32.
-
-        The CPU flags decide; the warm-up timing only vetoes a large loss (> SLOWER_VETO), because one
-        timing on a busy start-up is noisy: a plain ``low_s >= fp32_s`` once picked float32 on a machine
-        where bfloat16 is 2.3x faster."""
-        images = _warmup_images()
-        backbone.autocast = None
-        reference, fp32_s = self._timed_embed(backbone, images)
+        """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the
+        warm-up images with the model's default options; the choice is applied to the backbone."""
         try:
-            dtype = autocast_dtype(self.settings.precision, backbone.device)
+            choice = choose_autocast(backbone, self.settings.precision, _warmup_images() * 2, batch_size=8)
         except ValueError as exc:
             raise ValueError(f"model {name}: {exc}") from exc
-        if dtype is None:
-            return "float32"
-        backbone.autocast = dtype
-        candidate, low_s = self._timed_embed(backbone, images)
-        cosine = min_cosine(reference, candidate)
-        label = f"{str(dtype).removeprefix('torch.')} autocast"
-        forced = self.settings.precision != "auto"
-        if cosine < MIN_COSINE or (not forced and low_s > SLOWER_VETO * fp32_s):
+        if self.settings.precision == "auto" and choice.dtype is None and choice.seconds is not None:
             log.warning(
-                "model %s: %s not used (min cosine %.5f, %.3f s vs %.3f s float32)",
+                "model %s: bfloat16 autocast not used (min cosine %.5f, %.3f s vs %.3f s float32)",
                 name,
-                label,
-                cosine,
-                low_s,
-                fp32_s,
+                choice.min_cosine,
+                choice.seconds[1],
+                choice.seconds[0],
             )
-            backbone.autocast = None
-            return "float32"
-        return f"{label} (min cosine {cosine:.5f} to float32)"
-
-    @staticmethod
-    def _timed_embed(backbone: Backbone, images: list[Image.Image]) -> tuple[np.ndarray, float]:
-        backbone.embed(images[:1], pooling="cls" if backbone.spec.has_cls else "pooler")  # first-call costs
-        started = time.perf_counter()
-        vectors = backbone.embed(
-            images * 2, pooling="cls" if backbone.spec.has_cls else "pooler", batch_size=8
-        )
-        return vectors, time.perf_counter() - started
+        elif choice.min_cosine is not None and choice.min_cosine < MIN_COSINE:
+            log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
+        backbone.autocast = choice.dtype
+        return choice.describe()
 
     def stop(self) -> None:
         self._ready = False

@@ -138,19 +138,22 @@ def test_forced_bfloat16_stays_close_to_float32(tiny_checkpoints: dict[str, Path
 def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
     tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bf16_over_fp32: float, chosen: str
 ) -> None:
-    import service.engine as engine_module
+    """The engine uses the shared rule (vit_backbone.precision.choose_autocast) with its timings."""
+    import vit_backbone.precision as precision_module
 
-    monkeypatch.setattr(engine_module, "autocast_dtype", lambda precision, device: torch.bfloat16)
-    real = Engine._timed_embed
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda flags=None: True)
+    real = precision_module._timed_embed
 
-    def timed(backbone: Backbone, images: list[Image.Image]) -> tuple[np.ndarray, float]:
-        vectors, _ = real(backbone, images)
+    def timed(backbone: Backbone, *args: object) -> tuple[np.ndarray, float]:
+        vectors, _ = real(backbone, *args)  # type: ignore[arg-type]
         return vectors, (bf16_over_fp32 if backbone.autocast is not None else 1.0)
 
-    monkeypatch.setattr(Engine, "_timed_embed", staticmethod(timed))
+    monkeypatch.setattr(precision_module, "_timed_embed", timed)
     eng = Engine(ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}), Metrics())
     eng.start()
     try:
         assert eng.model_infos()["tiny"]["precision"].split(" ")[0] == chosen
+        served_autocast = eng._served["tiny"].backbone.autocast
+        assert served_autocast == (torch.bfloat16 if chosen == "bfloat16" else None)
     finally:
         eng.stop()
