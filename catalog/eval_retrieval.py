@@ -32,7 +32,7 @@ from vit_backbone.retrieval import (
     summarize,
 )
 
-from .index import IndexOptions, create_table
+from .index import METRICS, IndexOptions, IndexStoreError, connect, create_table, table_names
 from .meta import CatalogMeta
 from .search import SimilarityIndex
 
@@ -79,6 +79,12 @@ class EvalSpec:
             raise InvalidOptionError(f"--k must be from 1 to the gallery size {self.gallery}, got {self.k}")
         if self.size is not None and len(self.size) != 2:
             raise InvalidOptionError(f"--size takes H W, got {list(self.size)}")
+        if self.metric not in METRICS:  # checked here, before minutes of embedding
+            raise InvalidOptionError(f"--metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise InvalidOptionError(
+                f"--batch-size must be a whole number of at least 1, got {self.batch_size!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -233,11 +239,19 @@ def _scores_from_ranking(relevant: np.ndarray, k: int, gallery: int) -> Retrieva
 
 
 # ------------------------------------------------------------------------------------------- the run
-def run_retrieval_eval(spec: EvalSpec, *, db: Path | None = None, folder: Path = FASHION_DIR) -> EvalReport:
+def run_retrieval_eval(
+    spec: EvalSpec, *, db: Path | None = None, folder: Path = FASHION_DIR, overwrite: bool = False
+) -> EvalReport:
+    """The evaluation; ``db`` keeps its table, refusing to replace an existing one unless ``overwrite``
+    (checked before any embedding)."""
     from PIL import Image
 
     from vit_backbone import load_backbone
 
+    if db is not None and not overwrite and Path(db).is_dir() and TABLE in table_names(connect(db)):
+        raise IndexStoreError(
+            f"table {TABLE!r} already exists in {db}: give --overwrite to replace it, or another --db"
+        )
     split = load_fashion_mnist(spec.gallery, spec.queries, spec.seed, folder)
     backbone = load_backbone(spec.model)
     images = [Image.fromarray(a).convert("RGB") for a in split.images]  # 28x28 grey → RGB
@@ -268,6 +282,7 @@ def run_retrieval_eval(spec: EvalSpec, *, db: Path | None = None, folder: Path =
         normalized=spec.normalize,
         dim=int(vectors.shape[1]),
         dtype="float32",
+        precision="float32",  # load_backbone's default: no autocast
     )
     g = split.gallery
     gallery, queries = vectors[:g], vectors[g:]  # [G, D], [Q, D]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,14 +29,14 @@ import numpy as np
 
 from vit_backbone.errors import InvalidOptionError, MissingExtraError, VitEmbedError
 
+from .index_defaults import DEFAULT_ANN_THRESHOLD
 from .meta import META_KEY, CatalogMeta
-from .shards import read_catalog
+from .shard_stream import iter_shards, plan_catalog
 
 Metric = Literal["cosine", "dot"]
 METRICS: tuple[str, ...] = ("cosine", "dot")
 INDEX_META_KEY = b"vitembed_index"
 INDEX_FORMAT_VERSION = 1
-DEFAULT_ANN_THRESHOLD = 100_000
 MIN_ANN_ROWS = 256  # IVF-PQ trains 256 centroids per sub-vector: with fewer rows lance builds an empty index
 RESERVED = ("id", "vector")
 _DELETE_CHUNK = 500  # ids per ``id IN (...)`` predicate
@@ -58,7 +59,8 @@ class OptionsMismatchError(InvalidOptionError):
 
 
 class InvalidFilterError(InvalidOptionError):
-    """A ``where`` predicate that LanceDB cannot parse or that names an unknown column."""
+    """A ``where`` predicate that LanceDB cannot parse, that names an unknown column, or that fails while it
+    runs (a cast of a non-number, a division by zero)."""
 
     code = "invalid_filter"
 
@@ -216,6 +218,20 @@ def arrow_rows(
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def _new_table(db: Path | str, name: str, rows: Any, *, overwrite: bool) -> Any:
+    Path(db).mkdir(parents=True, exist_ok=True)
+    conn = connect(db)
+    if name in table_names(conn) and not overwrite:
+        raise IndexStoreError(
+            f"table {name!r} already exists in {db}: use --overwrite to replace it, or `vitembed index add` "
+            "to update it"
+        )
+    try:
+        return conn.create_table(name, rows, mode="overwrite" if overwrite else "create")
+    except ValueError as exc:  # lance's message for an invalid table name
+        raise IndexStoreError(f"cannot create table {name!r} in {db}: {exc}") from exc
+
+
 def create_table(
     db: Path | str,
     name: str,
@@ -227,22 +243,11 @@ def create_table(
     options: IndexOptions | None = None,
     overwrite: bool = False,
 ) -> IndexReport:
-    """A new table from arrays (``index build`` reads them from a catalog; ``eval retrieval`` embeds them)."""
+    """A new table from arrays (``eval retrieval`` embeds them; ``index build`` streams a catalog)."""
     options = options or IndexOptions()
     if not ids:
         raise IndexStoreError("no rows to index")
-    rows = arrow_rows(ids, vectors, extra or {}, meta, options)
-    Path(db).mkdir(parents=True, exist_ok=True)
-    conn = connect(db)
-    if name in table_names(conn) and not overwrite:
-        raise IndexStoreError(
-            f"table {name!r} already exists in {db}: use --overwrite to replace it, or `vitembed index add` "
-            "to update it"
-        )
-    try:
-        table = conn.create_table(name, rows, mode="overwrite" if overwrite else "create")
-    except ValueError as exc:  # lance's message for an invalid table name
-        raise IndexStoreError(f"cannot create table {name!r} in {db}: {exc}") from exc
+    table = _new_table(db, name, arrow_rows(ids, vectors, extra or {}, meta, options), overwrite=overwrite)
     built = ensure_ann(table, options)
     return IndexReport(
         str(db), name, table.count_rows(), inserted=len(ids), ann=has_ann(table), ann_built=built
@@ -258,29 +263,37 @@ def build_index(
     ann_threshold: int = DEFAULT_ANN_THRESHOLD,
     overwrite: bool = False,
 ) -> IndexReport:
-    """``vitembed index build``: every row of a catalog into a new table."""
-    catalog = read_catalog(Path(catalog_dir))
+    """``vitembed index build``: every row of a catalog into a new table, one shard at a time (the table is
+    created from the first shard and the others are appended), so memory holds one shard's vectors. The
+    whole catalog is checked first (ids unique across shards, one job's metadata) from its id columns."""
+    plan = plan_catalog(Path(catalog_dir))
     options = IndexOptions(metric=metric, ann_threshold=ann_threshold)
-    return create_table(
-        db,
-        name,
-        catalog.ids,
-        catalog.embeddings,
-        catalog.meta,
-        extra=catalog.extra,
-        options=options,
-        overwrite=overwrite,
+    if not plan.rows:
+        raise IndexStoreError("no rows to index")
+    table: Any = None
+    for shard in iter_shards(plan):
+        if not shard.ids:
+            continue
+        rows = arrow_rows(shard.ids, shard.vectors, shard.extra, plan.meta, options)
+        if table is None:
+            table = _new_table(db, name, rows, overwrite=overwrite)
+        else:
+            table.add(rows)
+    built = ensure_ann(table, options)
+    return IndexReport(
+        str(db), name, table.count_rows(), inserted=plan.rows, ann=has_ann(table), ann_built=built
     )
 
 
 def add_catalog(catalog_dir: Path, db: Path | str, name: str) -> IndexReport:
     """``vitembed index add``: upsert a catalog's rows by id. Refused when the catalog's embedding options
     differ from the table's (the vectors would not be comparable) or when it brings metadata columns the
-    table does not have; columns it lacks are stored as null."""
+    table does not have; columns it lacks are stored as null. The whole catalog is checked first, then
+    upserted shard by shard (one shard's vectors in memory)."""
     table = open_table(db, name)
     meta, options = read_table_meta(table)
-    catalog = read_catalog(Path(catalog_dir))
-    differences = meta.embed_options_mismatch(catalog.meta)
+    plan = plan_catalog(Path(catalog_dir))
+    differences = meta.embed_options_mismatch(plan.meta)
     if differences:
         raise OptionsMismatchError(
             f"catalog {catalog_dir} was embedded with other options than table {name!r}: "
@@ -288,23 +301,31 @@ def add_catalog(catalog_dir: Path, db: Path | str, name: str) -> IndexReport:
             "table"
         )
     columns = extra_columns(table)
-    unknown = [c for c in catalog.extra if c not in columns]
+    unknown = [c for c in plan.extra_columns if c not in columns]
     if unknown:
         raise IndexStoreError(
             f"catalog {catalog_dir} has metadata columns {unknown} that table {name!r} lacks "
             f"(it has {columns}); rebuild the table with `vitembed index build --overwrite`"
         )
-    missing: list[str | None] = [None] * len(catalog.ids)
-    extra: dict[str, Sequence[str | None]] = {c: catalog.extra.get(c, missing) for c in columns}
-    rows = arrow_rows(catalog.ids, catalog.embeddings, extra, meta, options)
-    result = table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(rows)
+    inserted = updated = 0
+    for shard in iter_shards(plan):
+        if not shard.ids:
+            continue
+        missing: list[str | None] = [None] * len(shard.ids)
+        extra: dict[str, Sequence[str | None]] = {c: shard.extra.get(c, missing) for c in columns}
+        rows = arrow_rows(shard.ids, shard.vectors, extra, meta, options)
+        result = (
+            table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(rows)
+        )
+        inserted += int(result.num_inserted_rows)
+        updated += int(result.num_updated_rows)
     built = ensure_ann(table, options, changed=True)
     return IndexReport(
         str(db),
         name,
         table.count_rows(),
-        inserted=int(result.num_inserted_rows),
-        updated=int(result.num_updated_rows),
+        inserted=inserted,
+        updated=updated,
         ann=has_ann(table),
         ann_built=built,
     )
@@ -316,23 +337,42 @@ def delete_rows(
     """``vitembed index delete``: rows by id, or every row a SQL predicate selects."""
     if bool(ids) == bool(where):
         raise InvalidOptionError("give either ids or a --where predicate (one of them)")
+    if where is not None:
+        check_where(where)
     table = open_table(db, name)
     _, options = read_table_meta(table)
     before = table.count_rows()
-    predicates = (
-        [where]
-        if where
-        else [_ids_predicate(ids[i : i + _DELETE_CHUNK]) for i in range(0, len(ids), _DELETE_CHUNK)]
-    )
-    for predicate in predicates:
+    if where:
         try:
-            table.delete(predicate)
-        except ValueError as exc:
+            table.delete(where)
+        except (ValueError, RuntimeError) as exc:
             raise InvalidFilterError(filter_message(exc)) from exc
+    for start in range(0, len(ids), _DELETE_CHUNK):
+        try:
+            table.delete(_ids_predicate(ids[start : start + _DELETE_CHUNK]))
+        except (ValueError, RuntimeError) as exc:  # our own predicate: never the user's fault
+            raise IndexStoreError(f"deleting ids from table {name!r} failed: {exc}") from exc
     after = table.count_rows()
     if before != after:
         ensure_ann(table, options, changed=True)
     return IndexReport(str(db), name, after, deleted=before - after, ann=has_ann(table))
+
+
+def check_where(where: str) -> str:
+    """Refuse an empty predicate and one holding ``;`` outside a string literal: a filter is one SQL
+    expression, never statements (lance would silently ignore what follows a ``;``)."""
+    if not where.strip():
+        raise InvalidFilterError("the where filter is empty")
+    quoted = False
+    for char in where:
+        if char == "'":
+            quoted = not quoted  # '' inside a literal toggles twice: still quoted
+        elif char == ";" and not quoted:
+            raise InvalidFilterError(
+                "invalid where filter: ';' is not allowed outside a quoted string; give one SQL predicate, "
+                "e.g. brand = 'acme' AND price < '10'"
+            )
+    return where
 
 
 def _ids_predicate(ids: Sequence[str]) -> str:
@@ -341,12 +381,20 @@ def _ids_predicate(ids: Sequence[str]) -> str:
 
 
 def filter_message(exc: Exception) -> str:
-    """LanceDB's complaint about a predicate, cut short (it quotes the predicate back)."""
-    text = " ".join(str(exc).split()).removeprefix("Invalid input, ")
+    """LanceDB's complaint about a predicate, cut short (it quotes the predicate back) and without the
+    Rust source location that execution errors carry."""
+    text = " ".join(str(exc).split()).removeprefix("Invalid input, ").removeprefix("lance error: ")
+    text = text.split(", /root/")[0].split(", /home/")[0]
+    text = re.sub(r", [^ ]+\.rs:\d+:\d+$", "", text)
     return f"invalid where filter: {text[:300]}"
 
 
 # ------------------------------------------------------------------------------------------- ANN
+def ann_partitions(rows: int) -> int:
+    """IVF partitions for a table of ``rows``: about sqrt(rows), with at least 256 rows per centroid."""
+    return max(1, min(rows // MIN_ANN_ROWS, round(math.sqrt(rows))))
+
+
 def ensure_ann(table: Any, options: IndexOptions, *, changed: bool = False) -> bool:
     """Build the IVF-PQ index once the table reaches the threshold; fold changed rows into an existing one.
     Returns whether an index was built now."""
@@ -359,7 +407,7 @@ def ensure_ann(table: Any, options: IndexOptions, *, changed: bool = False) -> b
         return False
     from lancedb.index import IvfPq
 
-    partitions = max(1, min(rows // MIN_ANN_ROWS, round(math.sqrt(rows))))  # >= 256 rows per centroid
+    partitions = ann_partitions(rows)
     try:
         table.create_index("vector", config=IvfPq(distance_type=options.metric, num_partitions=partitions))
     except (ValueError, RuntimeError) as exc:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_ANN_THRESHOLD = 100_000  # repeated from catalog.index, which imports numpy and the catalog reader
+from .index_defaults import DEFAULT_ANN_THRESHOLD
 
 
 def _quiet_lance() -> None:
@@ -107,31 +107,39 @@ def configure_search(parser: argparse.ArgumentParser) -> None:
         "preprocessing must match the table's",
     )
     parser.add_argument("--exact", action="store_true", help="bypass the ANN index (exact search)")
+    parser.add_argument(
+        "--nprobes",
+        type=int,
+        help="IVF partitions an ANN search visits (default: 10%% of the partitions, at least 20); more is "
+        "slower and closer to exact",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def run_search(args: argparse.Namespace) -> int:
     _quiet_lance()
-    import numpy as np
 
     from vit_backbone.errors import InvalidOptionError
 
-    from .search import SimilarityIndex, check_k, embed_queries, load_query_backbone
+    from .index import check_where
+    from .search import SimilarityIndex, check_k, check_nprobes, embed_queries, load_query_backbone
 
     if bool(args.images) == bool(args.vector_file):
         raise InvalidOptionError("give query IMAGE files or --vector-file (one of them)")
     check_k(args.k)
+    check_nprobes(args.nprobes)
+    if args.where is not None:
+        check_where(args.where)
     index = SimilarityIndex.open(args.db, args.table)
     labels: list[str]
     if args.vector_file:
-        vectors = np.load(args.vector_file, allow_pickle=False)
-        vectors = vectors[None] if vectors.ndim == 1 else vectors  # [Q, D]
+        vectors = load_vector_file(args.vector_file)  # [Q, D]
         labels = [f"{args.vector_file}[{i}]" for i in range(len(vectors))]
     else:
         backbone = load_query_backbone(index.meta, args.model)
         vectors = embed_queries(backbone, index.meta, [path.read_bytes() for path in args.images])  # [Q, D]
         labels = [str(path) for path in args.images]
-    results = [index.search(v, args.k, args.where, exact=args.exact) for v in vectors]
+    results = [index.search(v, args.k, args.where, exact=args.exact, nprobes=args.nprobes) for v in vectors]
     if args.json:
         payload: dict[str, Any] = {
             "index": index.describe(),
@@ -149,6 +157,34 @@ def run_search(args: argparse.Namespace) -> int:
             extra = "  ".join(f"{k}={v}" for k, v in hit.metadata.items())
             print(f"  {rank:>3}  {hit.score:+.6f}  {hit.id}" + (f"  {extra}" if extra else ""))
     return 0
+
+
+def load_vector_file(path: Path) -> Any:
+    """A .npy file of one query [D] or several [Q, D], as numbers; anything else is a one-line error
+    (pickled objects are never loaded: a .npy from elsewhere must not run code)."""
+    import numpy as np
+
+    from vit_backbone.errors import InvalidOptionError
+
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(6)
+    except OSError as exc:
+        raise InvalidOptionError(f"--vector-file {path} cannot be read ({exc.strerror})") from exc
+    if magic != b"\x93NUMPY":
+        raise InvalidOptionError(f"--vector-file {path} is not a .npy file (write one with numpy.save)")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise InvalidOptionError(
+            f"--vector-file {path} is not a readable .npy array of numbers ({reason})"
+        ) from exc
+    if not isinstance(loaded, np.ndarray) or loaded.dtype.kind not in "fiu" or loaded.ndim not in (1, 2):
+        raise InvalidOptionError(
+            f"--vector-file {path} must hold one numeric .npy array of shape [D] or [Q, D]"
+        )
+    return loaded[None] if loaded.ndim == 1 else loaded  # [Q, D]
 
 
 # --------------------------------------------------------------------------------------------- eval
@@ -174,6 +210,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     retrieval.add_argument("--batch-size", type=int, default=16)
     retrieval.add_argument(
         "--db", type=Path, help="keep the LanceDB table in this folder (default: temporary)"
+    )
+    retrieval.add_argument(
+        "--overwrite", action="store_true", help="replace the table already in --db (refused otherwise)"
     )
     retrieval.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -206,6 +245,6 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
     )
-    report = run_retrieval_eval(spec, db=args.db)
+    report = run_retrieval_eval(spec, db=args.db, overwrite=args.overwrite)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.check.passed else 1

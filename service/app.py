@@ -442,7 +442,10 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
         if engine is not None:
             app.state.engine = engine
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, engine)
-            yield
+            try:
+                yield
+            finally:
+                app.state.indexes.close()
             return
         owned = Engine(settings, metrics)
         try:
@@ -453,7 +456,10 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
         app.state.engine = owned
         try:
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, owned)
-            yield
+            try:
+                yield
+            finally:
+                app.state.indexes.close()
         finally:
             app.state.engine = None
             await asyncio.to_thread(owned.stop)

@@ -328,11 +328,11 @@ def parse_embed_json(body: bytes, max_images: int) -> tuple[list[bytes], dict[st
             image = ImageIn.model_validate(item)
         except ValidationError as exc:
             raise validation_error(exc, index=index) from exc
-        decoded.append(decode_base64(_strip_data_prefix(image.base64), index))
+        decoded.append(decode_base64(strip_data_prefix(image.base64), index))
     return decoded, payload
 
 
-def _strip_data_prefix(text: str) -> str:
+def strip_data_prefix(text: str) -> str:
     """A data URI in the base64 field is forgiven: keep what follows ``;base64,``."""
     if text[:5].lower() == "data:":
         head, _, data = text.partition(",")

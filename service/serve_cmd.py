@@ -13,6 +13,8 @@ from pydantic import ValidationError
 
 from vit_backbone.errors import MissingExtraError
 
+from .settings_error import SettingsError as SettingsError  # re-exported: it lived here
+
 # flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1: loopback only)"),
@@ -153,10 +155,6 @@ def _check_service_extra(exc: ImportError) -> None:
     """An import of the ``service`` extra failed: say which extra to install instead of a traceback."""
     if (exc.name or "").split(".")[0] in _SERVICE_EXTRA:
         raise MissingExtraError("vitembed serve", "service") from exc
-
-
-class SettingsError(ValueError):
-    pass
 
 
 def _first_error(exc: Exception) -> str:

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+HEAD_NAME_MAX = 64  # the longest head name a request may carry (routes_heads: head=, heads=)
 
 
 class ServiceSettings(BaseSettings):
@@ -48,6 +49,8 @@ class ServiceSettings(BaseSettings):
     max_image_pixels: int = Field(40_000_000, ge=1)
     max_aspect_ratio: float = Field(20.0, ge=1.0)
     max_tokens_per_image: int = Field(4096, ge=1)  # refuse sizes whose grid exceeds this (cost ~ tokens²)
+    # /v1/classify upsample=true: mask pixels (H x W summed over the request's images) one answer may carry
+    max_upsample_pixels: int = Field(16_000_000, ge=1)
 
     api_key: str | None = None  # bearer token for /v1/*; None = no auth
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -77,6 +80,11 @@ class ServiceSettings(BaseSettings):
         for name, path in value.items():
             if not name or name.strip() != name or "/" in name or "," in name or not path:
                 raise ValueError(f"head {name!r}: a name without '/', ',' or surrounding spaces, and a path")
+            if len(name) > HEAD_NAME_MAX:
+                raise ValueError(
+                    f"head name {name[:HEAD_NAME_MAX]!r}... is {len(name)} characters long; requests name "
+                    f"heads with at most {HEAD_NAME_MAX}: choose a shorter name"
+                )
         return value
 
     @model_validator(mode="after")

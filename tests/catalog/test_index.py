@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from catalog_images import ImageTree
 
+import catalog.search as search_module
+from catalog.errors import CatalogError
 from catalog.index import (
     MIN_ANN_ROWS,
     IndexOptions,
@@ -22,10 +24,12 @@ from catalog.index import (
     OptionsMismatchError,
     add_catalog,
     build_index,
+    connect,
     create_table,
     delete_rows,
     has_ann,
     open_table,
+    table_names,
 )
 from catalog.meta import CatalogMeta
 from catalog.search import SimilarityIndex, embed_queries
@@ -260,6 +264,77 @@ def test_ann_index_is_built_past_the_threshold(tmp_path: Path) -> None:
             [h.score for h in hits], [reference[position[h.id]] for h in hits], atol=TOL
         )
         assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+
+    # the query plan goes through the IVF index (a flat scan with --exact) ...
+    assert "ANNSubIndex" in index.explain(vectors[0], k=5)
+    assert "ANNSubIndex" not in index.explain(vectors[0], k=5, exact=True)
+    # ... and finds the true neighbours of queries that are not rows: recall@5 against brute force
+    queries = vectors[:60] + 0.5 * rng.standard_normal((60, 32)).astype(np.float32)  # [60, 32]
+    found = 0
+    for query in queries:
+        truth = np.argsort(-brute_force(vectors, query, "cosine"), kind="stable")[:5]
+        found += len({ids[i] for i in truth} & {h.id for h in index.search(query, k=5)})
+    assert found / (5 * len(queries)) >= 0.85  # measured 0.92: isotropic random data is ANN's worst case
+
+
+def test_filtered_search_on_an_ann_table_finds_a_rare_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """30 rows of a rare group sit in one cluster; the query is at the cluster farthest from it. IVF probes
+    the partitions nearest the query, which hold no rare row: the filtered search must still return k."""
+    rng = np.random.default_rng(5)
+    n, dim = 12_800, 16  # 50 IVF partitions
+    centers = 4.0 * rng.standard_normal((100, dim))  # [100, D]
+    labels = rng.integers(0, 100, n)
+    vectors = (centers[labels] + rng.standard_normal((n, dim))).astype(np.float32)  # [n, D]
+    group = np.full(n, "common", dtype=object)
+    rare = np.flatnonzero(labels == 0)[:30]
+    group[rare] = "rare"
+    meta = CatalogMeta("synthetic", "r0", "p0", "cls", None, None, "crop", False, dim, "float32")
+    options = IndexOptions("cosine", ann_threshold=MIN_ANN_ROWS)
+    ids = [str(i) for i in range(n)]
+    create_table(tmp_path / "db", "t", ids, vectors, meta, extra={"group": list(group)}, options=options)
+    index = SimilarityIndex.open(tmp_path / "db", "t")
+    assert index.has_ann()
+    far = centers[int(np.argmin(brute_force(centers, centers[0], "cosine")))].astype(np.float32)  # [D]
+    where = "group = 'rare'"
+    reference = brute_force(vectors[rare], far, "cosine")  # [30]
+    order = np.argsort(-reference, kind="stable")[:10]
+    # what a plain IVF query returns: the probed partitions hold too few rare rows
+    assert len(index._query(index.check_vector(far), 10, where, 1)) < 10
+
+    hits = index.search(far, 10, where)  # 30 matching rows: searched exactly
+    assert [h.id for h in hits] == [str(rare[i]) for i in order]
+    np.testing.assert_allclose([h.score for h in hits], reference[order], atol=TOL)
+    assert "ANNSubIndex" not in index.explain(far, 10, where)
+    # a filter selecting more rows than EXACT_FILTER_ROWS goes through IVF; an answer short of k is redone
+    monkeypatch.setattr(search_module, "EXACT_FILTER_ROWS", 0)
+    assert "ANNSubIndex" in index.explain(far, 10, where, nprobes=1)
+    assert index.search(far, 10, where, nprobes=1) == hits
+    assert index.search(far, 10, "group = 'none'") == []
+
+
+def test_build_streams_shards_and_refuses_duplicate_ids_before_writing(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    vectors = rng.standard_normal((30, 8)).astype(np.float32)
+    meta = CatalogMeta("synthetic", "r0", "p0", "cls", None, None, "crop", False, 8, "float32")
+    folder = tmp_path / "cat"
+    folder.mkdir()
+    for shard in range(3):
+        rows = slice(10 * shard, 10 * shard + 10)
+        ids = [f"i{i}" for i in range(30)][rows]
+        write_shard(folder, shard, build_table(ids, vectors[rows], {"brand": [f"b{shard}"] * 10}, meta))
+    report = build_index(folder, tmp_path / "db", "t")
+    assert (report.rows, report.inserted) == (30, 30)
+    index = SimilarityIndex.open(tmp_path / "db", "t")
+    for row in (0, 15, 29):
+        hit = index.search(vectors[row], 1)[0]
+        assert (hit.id, hit.metadata) == (f"i{row}", {"brand": f"b{row // 10}"})
+    assert add_catalog(folder, tmp_path / "db", "t").updated == 30
+    write_shard(folder, 3, build_table(["i3"], vectors[:1], {"brand": ["x"]}, meta))  # a duplicate id
+    with pytest.raises(CatalogError, match="duplicate ids across its shards"):
+        build_index(folder, tmp_path / "db", "t2")
+    assert "t2" not in table_names(connect(tmp_path / "db"))  # refused before anything was written
 
 
 def test_a_table_built_over_the_threshold_gets_its_index_at_once(tmp_path: Path) -> None:

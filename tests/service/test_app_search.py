@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from catalog.index import IndexOptions, add_catalog, build_index, create_table
+from catalog.index import IndexOptions, add_catalog, build_index, connect, create_table
 from catalog.meta import CatalogMeta
 from catalog.search import SimilarityIndex, embed_queries
+from catalog.shards import read_catalog
 from service.cli import main
 from service.serve_cmd import SettingsError
 from service.settings import ServiceSettings, parse_index_args
@@ -143,6 +144,8 @@ async def test_image_search_agrees_with_the_library(
         "metric": "cosine",
         "ann": False,
         "precision": "float32",
+        "model_precision": "float32",
+        "index_precision": "float32",
     }
 
 
@@ -249,7 +252,10 @@ async def test_error_bodies(search_server: Server, err: Any, images: Images, pho
         (
             {"files": [("image", ("a.jpg", photos.data["p00"], "image/jpeg"))], "data": {"model": "tiny"}},
             422,
-            {"code": "invalid_request", "message": "unknown form field 'model'; options: index, k, where"},
+            {
+                "code": "invalid_request",
+                "message": "unknown form field 'model'; options: index, k, where, nprobes",
+            },
         ),
         (
             {"files": [("image", ("a.jpg", b"not an image at all", "image/jpeg"))]},
@@ -273,6 +279,30 @@ async def test_error_bodies(search_server: Server, err: Any, images: Images, pho
     for kwargs, status, body in cases:
         response = await client.post("/v1/search", **kwargs)
         assert (response.status_code, err(response)) == (status, body), kwargs
+
+    filter_errors = {
+        "1/0 = 1": "invalid where filter: Query Execution error: Error applying filter expression to batch: "
+        "Arrow error: Divide by zero error",
+        "CAST(brand AS INT) > 5": "invalid where filter: Query Execution error: Error applying filter "
+        "expression to batch: Arrow error: Cast error: Cannot cast string 'acme' to value of Int32 type",
+        "brand = 'acme'; DROP TABLE products": "invalid where filter: ';' is not allowed outside a quoted "
+        "string; give one SQL predicate, e.g. brand = 'acme' AND price < '10'",
+    }
+    for where, message in filter_errors.items():
+        response = await client.post("/v1/search", json={"vector": [1.0] * 32, "where": where})
+        assert (response.status_code, err(response)) == (422, {"code": "invalid_filter", "message": message})
+    zero = "the query vector has zero (or subnormal) length: it has no direction to compare by cosine"
+    non_finite = "the query vector holds non-finite values (NaN or infinity)"
+    for content, message in [
+        (json.dumps({"vector": [0.0] * 32}), zero),
+        (json.dumps({"vector": [1e-45] * 32}), zero),
+        ('{"vector": [NaN' + ", 1.0" * 31 + "]}", non_finite),
+        ('{"vector": [1e39' + ", 1.0" * 31 + "]}", non_finite),  # beyond float32
+    ]:
+        response = await client.post(
+            "/v1/search", content=content, headers={"content-type": "application/json"}
+        )
+        assert (response.status_code, err(response)) == (422, {"code": "invalid_vector", "message": message})
 
     response = await client.post("/v1/search", json={"vector": [1.0] * 32, "where": "brnd = 'acme'"})
     error = err(response)
@@ -433,3 +463,148 @@ def test_real_server_refuses_an_index_of_another_model(tiny_path: Path, tmp_path
     )
     assert done.stderr.count("\n") == 1 and done.stdout == ""
     assert time.monotonic() - started < 60
+
+
+async def test_data_uri_base64_and_nprobes(
+    search_server: Server, photos: Photos, reference: Backbone, db: Path, images: Images
+) -> None:
+    uri = "data:image/jpeg;base64," + images.b64(photos.data["p04"])
+    response = await search_server.client.post(
+        "/v1/search", json={"images": [{"base64": uri}], "k": 2, "nprobes": 5}
+    )
+    assert response.status_code == 200, response.text
+    [expected] = expected_hits(reference, db, [photos.data["p04"]], 2)
+    assert_same_hits(response.json()["data"][0]["results"], expected)
+    assert expected[0]["id"] == "p04"
+
+
+async def test_a_table_rebuilt_or_dropped_under_the_server(
+    serve: OpenServer, indexed: Indexed, err: Any, tmp_path: Path
+) -> None:
+    build_index(indexed.catalog, tmp_path / "db", "t")
+    catalog = read_catalog(indexed.catalog)
+    async with serve(indexes={"live": f"{tmp_path / 'db'}:t"}) as server:
+        query = {"json": {"vector": catalog.embeddings[0].tolist(), "k": 1}}
+        assert (await server.client.post("/v1/search", **query)).json()["data"][0]["results"][0][
+            "id"
+        ] == "p00"
+        other = replace(catalog.meta, pooling="mean", dim=16)
+        create_table(tmp_path / "db", "t", ["a"], np.ones((1, 16), np.float32), other, overwrite=True)
+        for response in (
+            await server.client.post("/v1/search", **query),
+            await server.client.get("/v1/indexes"),
+        ):
+            assert response.status_code == 409
+            assert err(response) == {
+                "code": "index_changed",
+                "message": "index 'live' was rebuilt with other options; restart the server (table 't' in "
+                f"{tmp_path / 'db'} was rebuilt with other options since it was opened (pooling: 'cls' -> "
+                "'mean'; dim: 32 -> 16); reopen it)",
+            }
+        connect(tmp_path / "db").drop_table("t")
+        response = await server.client.post("/v1/search", **query)
+        assert (response.status_code, err(response)) == (
+            503,
+            {
+                "code": "index_dropped",
+                "message": f"index 'live' ({tmp_path / 'db'}:t) was dropped or moved; restart the server "
+                "with a valid --index",
+            },
+        )
+        assert (await server.client.get("/ready")).status_code == 200
+
+
+async def test_search_past_the_deadline_is_504(serve: OpenServer, db: Path, err: Any) -> None:
+    async with serve(indexes={"products": f"{db}:products"}, request_timeout_s=1e-9) as server:
+        response = await server.client.post("/v1/search", json={"vector": [1.0] * 32})
+        assert response.status_code == 504
+        assert err(response) == {"code": "deadline_exceeded", "message": "no result within 1e-09 s"}
+        assert (await server.client.get("/ready")).status_code == 200
+
+
+async def test_default_precision_server_still_finds_each_image_first(
+    serve: OpenServer, db: Path, photos: Photos
+) -> None:
+    """``--precision auto`` (bfloat16 where the hardware has it) against a float32 index."""
+    async with serve(indexes={"products": f"{db}:products"}, precision="auto") as server:
+        for item in ("p00", "p03", "p07"):
+            files = [("image", ("q.jpg", photos.data[item], "image/jpeg"))]
+            response = await server.client.post("/v1/search", files=files, data={"k": "2"})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            top = body["data"][0]["results"][0]
+            assert top["id"] == item and top["score"] >= 0.999
+            provenance = body["provenance"]
+            assert provenance["model_precision"] in ("float32", "bfloat16")
+            assert provenance["precision"].split(" ")[0] == provenance["model_precision"]
+            assert provenance["index_precision"] == "float32"
+
+
+async def test_an_index_over_the_token_limit_stops_start_up(
+    serve: OpenServer, indexed: Indexed, tmp_path: Path
+) -> None:
+    catalog = read_catalog(indexed.catalog)
+    meta = replace(catalog.meta, size=[140, 140])  # 10 x 10 patches of 14 = 100 tokens
+    create_table(tmp_path / "db", "t", catalog.ids, catalog.embeddings, meta)
+    with pytest.raises(SettingsError) as caught:
+        async with serve(indexes={"big": f"{tmp_path / 'db'}:t"}, max_tokens_per_image=64):
+            pass
+    assert str(caught.value) == (
+        "index 'big' was embedded at size 140x140 = 100 patch tokens, over the server's max_tokens_per_image "
+        "64: raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size"
+    )
+
+
+async def test_cli_and_server_on_an_index_with_non_default_options(
+    serve: OpenServer, photos: Photos, tiny_path: Path, reference: Backbone, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """mean pooling over both blocks at 42x70, normalised: queries are embedded exactly so, by both."""
+    ids = list(photos.data)[:6]
+    manifest = photos.manifest(ids, tmp_path / "m.csv")
+    argv = ["embed-catalog", str(manifest), "--out", str(tmp_path / "cat"), "--model", f"tiny={tiny_path}",
+            "--precision", "float32", "--pooling", "mean", "--layers", "0", "1", "--size", "42", "70",
+            "--normalize"]  # fmt: skip
+    assert main(argv) == 0
+    build_index(tmp_path / "cat", tmp_path / "db", "odd", metric="dot")
+    meta = SimilarityIndex.open(tmp_path / "db", "odd").meta
+    assert (meta.pooling, meta.layers, meta.size, meta.normalized, meta.dim) == (
+        "mean",
+        [0, 1],
+        [42, 70],
+        True,
+        64,
+    )
+    capsys.readouterr()
+    files = [photos.folder / f"{item}.jpg" for item in ("p01", "p04")]
+    search = ["search", "--db", str(tmp_path / "db"), "--table", "odd", "--model", str(tiny_path), "--k", "3"]
+    assert main([*search, "--json", *map(str, files)]) == 0
+    from_cli = json.loads(capsys.readouterr().out)["queries"]
+    async with serve(indexes={"odd": f"{tmp_path / 'db'}:odd"}) as server:
+        response = await server.client.post(
+            "/v1/search",
+            files=[("image", (f.name, f.read_bytes(), "image/jpeg")) for f in files],
+            data={"k": "3"},
+        )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    for got, expected, own in zip(body["data"], from_cli, ("p01", "p04"), strict=True):
+        assert_same_hits(got["results"], expected["results"])
+        assert got["results"][0]["id"] == own
+        assert got["results"][0]["score"] == pytest.approx(1.0, abs=TOL)
+    assert body["provenance"] == {
+        "index": "odd",
+        "model": "tiny",
+        "revision": reference.checkpoint.revision,
+        "preprocess_hash": reference.preprocess_config.hash(),
+        "pooling": "mean",
+        "layers": [0, 1],
+        "size": [42, 70],
+        "policy": "crop",
+        "normalized": True,
+        "metric": "dot",
+        "ann": False,
+        "precision": "float32",
+        "model_precision": "float32",
+        "index_precision": "float32",
+    }
