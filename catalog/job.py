@@ -113,6 +113,30 @@ class ShardWriter:
         self._vectors = [vectors[count:]] if rest else []
 
 
+def summarize(
+    source: Source,
+    todo: list[SourceItem],
+    state: OutputState,
+    writer: ShardWriter,
+    failures: int,
+    *,
+    started: float,
+    interrupted: bool,
+) -> JobSummary:
+    """One run's summary, the same for every engine: this run's counts next to the catalog's totals
+    (``started`` is the run's ``time.perf_counter()`` at its first image)."""
+    return JobSummary(
+        rows_written=writer.written,
+        failures=failures,
+        skipped=len(source.items) - len(todo),
+        total_rows=state.rows_before + writer.written,
+        total_failures=state.failures_before + failures,
+        seconds=time.perf_counter() - started,
+        interrupted=interrupted,
+        shards_written=writer.shards,
+    )
+
+
 def embed_batch(backbone: Backbone, meta: CatalogMeta, prepared: list[Prepared]) -> np.ndarray:
     """The server's forward path for one batch: ``[b, D]`` float32."""
     return backbone.embed_prepared(
@@ -220,13 +244,4 @@ def run_local(
     finally:
         writer.flush()
         errors.close()
-    return JobSummary(
-        rows_written=writer.written,
-        failures=failures,
-        skipped=len(source.items) - len(todo),
-        total_rows=state.rows_before + writer.written,
-        total_failures=state.failures_before + failures,
-        seconds=time.perf_counter() - started,
-        interrupted=interrupted,
-        shards_written=writer.shards,
-    )
+    return summarize(source, todo, state, writer, failures, started=started, interrupted=interrupted)

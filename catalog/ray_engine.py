@@ -30,7 +30,7 @@ from vit_backbone.preprocess import Prepared, PreprocessConfig, Preprocessor
 from .decode_stage import failure_for, prepare_item
 from .error_log import ErrorLog, ItemFailure
 from .errors import CatalogError
-from .job import INTERNAL_ERROR, JobSummary, ProgressFn, RunSettings, ShardWriter, embed_isolating
+from .job import INTERNAL_ERROR, JobSummary, ProgressFn, RunSettings, ShardWriter, embed_isolating, summarize
 from .meta import CatalogMeta
 from .output import OutputState
 from .sources import Source, SourceItem
@@ -246,16 +246,7 @@ def run_ray(
         errors.close()
         if started_here:
             ray.shutdown()
-    return JobSummary(
-        rows_written=writer.written,
-        failures=failures,
-        skipped=len(source.items) - len(todo),
-        total_rows=state.rows_before + writer.written,
-        total_failures=state.failures_before + failures,
-        seconds=time.perf_counter() - started,
-        interrupted=interrupted,
-        shards_written=writer.shards,
-    )
+    return summarize(source, todo, state, writer, failures, started=started, interrupted=interrupted)
 
 
 def _take(

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import CatalogError
 from .meta import CatalogMeta
-from .shards import read_shard_meta, shard_paths
+from .shards import check_same_job, open_catalog
 
 RESERVED_COLUMNS = ("id", "embedding")
 
@@ -49,24 +49,13 @@ def _pq() -> Any:
 def plan_catalog(folder: Path) -> CatalogPlan:
     """Check every shard's metadata, columns and ids (a set across shards) without reading vectors."""
     pq = _pq()
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CatalogError(f"catalog folder {folder} does not exist")
-    paths = shard_paths(folder)
-    if not paths:
-        raise CatalogError(f"{folder} holds no catalog shards (part-*.parquet); run `vitembed embed-catalog`")
-    meta = read_shard_meta(paths[0])
+    folder, paths, meta = open_catalog(folder)
     seen: set[str] = set()
     rows = 0
     columns: tuple[str, ...] = ()
     for number, path in enumerate(paths):
-        shard_meta = read_shard_meta(path) if number else meta
-        if shard_meta != meta:
-            differences = meta.embed_options_mismatch(shard_meta) or [f"{meta} != {shard_meta}"]
-            raise CatalogError(
-                f"{path.name} was made with other options than {paths[0].name} ({'; '.join(differences)}); "
-                "a catalog folder must hold one job's shards"
-            )
+        if number:
+            check_same_job(meta, paths[0], path)
         names = tuple(n for n in pq.read_schema(path).names if n not in RESERVED_COLUMNS)
         if number == 0:
             columns = names

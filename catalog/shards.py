@@ -161,28 +161,40 @@ def committed_ids(folder: Path) -> list[str]:
     return ids
 
 
-def read_catalog(folder: Path) -> Catalog:
-    """Every committed shard of a catalog as one array; refuses a missing or empty folder and shards
-    whose metadata disagree (two different jobs written into one folder)."""
-    pa = _pa()
+def open_catalog(folder: Path) -> tuple[Path, list[Path], CatalogMeta]:
+    """(folder, its shards in order, the first shard's metadata); refuses a missing or empty folder."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CatalogError(f"catalog folder {folder} does not exist")
     paths = shard_paths(folder)
     if not paths:
         raise CatalogError(f"{folder} holds no catalog shards (part-*.parquet); run `vitembed embed-catalog`")
-    meta = read_shard_meta(paths[0])
+    return folder, paths, read_shard_meta(paths[0])
+
+
+def check_same_job(meta: CatalogMeta, first: Path, path: Path) -> None:
+    """Refuses shard ``path`` when its metadata differ from ``meta`` (``first``'s): two different jobs
+    written into one folder cannot be read as one catalog."""
+    shard_meta = read_shard_meta(path)
+    if shard_meta != meta:
+        differences = meta.embed_options_mismatch(shard_meta) or [f"{meta} != {shard_meta}"]
+        raise CatalogError(
+            f"{path.name} was made with other options than {first.name} ({'; '.join(differences)}); "
+            "a catalog folder must hold one job's shards"
+        )
+
+
+def read_catalog(folder: Path) -> Catalog:
+    """Every committed shard of a catalog as one array; refuses a missing or empty folder and shards
+    whose metadata disagree (two different jobs written into one folder)."""
+    pa = _pa()
+    folder, paths, meta = open_catalog(folder)
     ids: list[str] = []
     blocks: list[np.ndarray] = []
     extra: dict[str, list[str]] = {}
     for number, path in enumerate(paths):
-        shard_meta = read_shard_meta(path) if number else meta
-        if shard_meta != meta:
-            differences = meta.embed_options_mismatch(shard_meta) or [f"{meta} != {shard_meta}"]
-            raise CatalogError(
-                f"{path.name} was made with other options than {paths[0].name} ({'; '.join(differences)}); "
-                "a catalog folder must hold one job's shards"
-            )
+        if number:
+            check_same_job(meta, paths[0], path)
         table = pa.parquet.read_table(path)
         names = [n for n in table.column_names if n not in RESERVED_COLUMNS]
         if number == 0:

@@ -48,6 +48,7 @@ from .schemas import (
     decode_base64,
     is_json,
     media_type,
+    merge_into,
     parse_json_body,
     parse_multipart,
     validation_error,
@@ -104,18 +105,6 @@ def parse_classify_json(body: bytes, max_images: int) -> tuple[list[bytes], dict
             raise validation_error(exc, index=index) from exc
         decoded.append(decode_base64(image.base64, index))
     return decoded, payload
-
-
-def _options(query: dict[str, Any], body: dict[str, Any]) -> ClassifyOptionsIn:
-    twice = sorted(set(query) & set(body))
-    if twice:
-        raise ApiError(
-            422, "invalid_request", f"the option {twice[0]!r} is given both in the query and the body"
-        )
-    try:
-        return ClassifyOptionsIn.model_validate({**query, **body})
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
 
 
 def _head_name(engine: Engine, asked: str | None) -> str:
@@ -186,7 +175,7 @@ async def classify(
         images, fields = await _offload(len(body), parse_classify_json, body, limit)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
-    options = _options(query.model_dump(exclude_none=True), fields)
+    options = merge_into(ClassifyOptionsIn, query.model_dump(exclude_none=True), fields)
     name = _head_name(engine, options.head)
     bound = engine.bound_head(name)
     patch = bound.card.kind == "patch"

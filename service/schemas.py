@@ -13,7 +13,7 @@ import binascii
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from python_multipart.multipart import (
@@ -28,6 +28,7 @@ from .errors import ApiError, describe_validation_errors
 Dtype = Literal["float32", "float16"]
 Encoding = Literal["float", "base64"]
 
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
 OPTION_NAMES = (
     "model",
     "pooling",
@@ -428,14 +429,20 @@ def parse_multipart(
 
 
 def merge_options(query: Mapping[str, Any], body: Mapping[str, Any]) -> EmbedOptionsIn:
-    """One option, one place: the same name in the query and the body is refused rather than guessed."""
+    """``/v1/embed``'s options from the query and the body (see ``merge_into``)."""
+    return merge_into(EmbedOptionsIn, query, body)
+
+
+def merge_into(model: type[OptionsT], query: Mapping[str, Any], body: Mapping[str, Any]) -> OptionsT:
+    """One option, one place: the same name in the query and the body is refused rather than guessed;
+    the merged options are validated as ``model`` (a 422 naming the bad field)."""
     twice = sorted(set(query) & set(body))
     if twice:
         raise ApiError(
             422, "invalid_request", f"the option {twice[0]!r} is given both in the query and the body"
         )
     try:
-        return EmbedOptionsIn.model_validate({**query, **body})
+        return model.model_validate({**query, **body})
     except ValidationError as exc:
         raise validation_error(exc) from exc
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from conftest import RunCli
 from PIL import Image
 
 from catalog.shards import read_catalog
 from vit_backbone import load_backbone
+
+if TYPE_CHECKING:
+    from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 TOL = 1e-5
 

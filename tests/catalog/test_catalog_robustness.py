@@ -11,14 +11,13 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from catalog_images import ImageTree, encode, picture
-from conftest import RunCli
 
 from catalog.decode_stage import _ReadError, read_file
 from catalog.error_log import ERRORS_FILE, read_failures
@@ -26,6 +25,9 @@ from catalog.output import read_job_file
 from catalog.shards import read_catalog
 from vit_backbone import Backbone
 from vit_backbone.errors import ImageDecodeError
+
+if TYPE_CHECKING:
+    from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 TOL = 1e-5
 

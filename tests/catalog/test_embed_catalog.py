@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from catalog_images import ImageTree
-from conftest import RunCli
 
 from catalog.error_log import read_failures
 from catalog.meta import META_KEY, CatalogMeta
 from catalog.shards import read_catalog, shard_paths
 from vit_backbone import Backbone
+
+if TYPE_CHECKING:
+    from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 TOL = 1e-5
 

@@ -16,15 +16,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 from catalog_images import ImageTree, encode, picture
-from conftest import RunCli
 
 from catalog.error_log import read_failures
 from catalog.shards import read_catalog, shard_paths
 from vit_backbone import Backbone
+
+if TYPE_CHECKING:
+    from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARD = 2

@@ -8,14 +8,13 @@ import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from catalog_images import ImageTree
-from conftest import RunCli
 
 from catalog.error_log import read_failures
 from catalog.errors import CatalogError
@@ -24,6 +23,9 @@ from catalog.output import EmbedSpec, resolve_meta
 from catalog.ray_engine import DecodeStage, Embedder, _one_line_error
 from catalog.shards import read_catalog, shard_paths
 from vit_backbone import Backbone
+
+if TYPE_CHECKING:
+    from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 
 from ..errors import InvalidOptionError
-from .base import as_float_tensor, l2_normalize
-from .card import HeadCard
-from .softmax import SoftmaxParams, check_params, params_from_tensors, params_tensors
+from .base import as_float_tensor
+from .softmax import SoftmaxHead, SoftmaxParams
 
 WEIGHT_DECAYS: tuple[float, ...] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5, 0.0)
 DEFAULT_WEIGHT_DECAY = 1e-3
@@ -111,28 +110,10 @@ def fit_softmax(
     return SoftmaxFit(best.params, best.weight_decay, best.val_accuracy, tried)
 
 
-class LinearHead:
+class LinearHead(SoftmaxHead):
     """Softmax over classes from one pooled feature per image."""
 
-    def __init__(self, card: HeadCard, params: SoftmaxParams) -> None:
-        if card.kind != "linear":
-            raise InvalidOptionError(f"LinearHead needs a card of kind 'linear', got {card.kind!r}")
-        check_params(card, params)
-        self.card = card
-        self.params = params
+    KIND = "linear"
 
     def predict_proba(self, features: torch.Tensor) -> torch.Tensor:
-        x = features.float()  # [B, F]
-        if self.card.normalized:
-            x = l2_normalize(x)
-        return torch.softmax(self.params.logits(x), dim=-1)  # [B, C]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return params_tensors(self.params)
-
-    def to(self, device: torch.device | str) -> LinearHead:
-        return LinearHead(self.card, self.params.to(device))
-
-    @classmethod
-    def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> LinearHead:
-        return cls(card, params_from_tensors(tensors))
+        return torch.softmax(self.logits(features), dim=-1)  # [B, F] -> [B, C]

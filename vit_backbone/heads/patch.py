@@ -21,9 +21,8 @@ import torch.nn.functional as F
 
 from ..errors import InvalidOptionError
 from .base import as_float_tensor, l2_normalize
-from .card import HeadCard
 from .linear import fit_softmax
-from .softmax import SoftmaxParams, check_params, params_from_tensors, params_tensors
+from .softmax import SoftmaxHead, SoftmaxParams
 
 IGNORE = 255  # mask value that marks pixels without a class
 PATCH_POLICIES: tuple[str, ...] = ("squash", "dynamic")
@@ -155,34 +154,13 @@ def fit_patch(
     return PatchFit(fit.params, fit.weight_decay, score, fit.tried)
 
 
-class PatchHead:
+class PatchHead(SoftmaxHead):
     """Per-patch softmax: [B, h, w, F] → [B, h, w, C]."""
 
-    def __init__(self, card: HeadCard, params: SoftmaxParams) -> None:
-        if card.kind != "patch":
-            raise InvalidOptionError(f"PatchHead needs a card of kind 'patch', got {card.kind!r}")
-        check_params(card, params)
-        self.card = card
-        self.params = params
-
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        x = features.float()  # [B, h, w, F]
-        if self.card.normalized:
-            x = l2_normalize(x)
-        return self.params.logits(x)  # [B, h, w, C]
+    KIND = "patch"
 
     def predict_proba(self, features: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.logits(features), dim=-1)  # [B, h, w, C]
 
     def predict_grid(self, features: torch.Tensor) -> torch.Tensor:
         return self.logits(features).argmax(dim=-1)  # [B, h, w]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return params_tensors(self.params)
-
-    def to(self, device: torch.device | str) -> PatchHead:
-        return PatchHead(self.card, self.params.to(device))
-
-    @classmethod
-    def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> PatchHead:
-        return cls(card, params_from_tensors(tensors))

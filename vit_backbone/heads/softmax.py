@@ -7,10 +7,12 @@ converting them to and from the saved tensors lives here, once, so neither kind 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Self
 
 import torch
 
 from ..errors import InvalidOptionError
+from .base import l2_normalize
 from .card import HeadCard
 
 PARAM_NAMES = ("mean", "scale", "weight", "bias")
@@ -60,3 +62,35 @@ def check_params(card: HeadCard, params: SoftmaxParams) -> None:
     wrong = [f"{name} {got} (card says {want})" for name, (got, want) in shapes.items() if got != want]
     if wrong:
         raise InvalidOptionError(f"the head's tensors do not fit its card: {'; '.join(wrong)}")
+
+
+class SoftmaxHead:
+    """What the linear and the per-patch head share: a card of their ``KIND`` and its fitting tensors,
+    logits of the (optionally L2-normalised) features, and moving, saving and loading those tensors."""
+
+    KIND: ClassVar[str]
+
+    def __init__(self, card: HeadCard, params: SoftmaxParams) -> None:
+        if card.kind != self.KIND:
+            raise InvalidOptionError(
+                f"{type(self).__name__} needs a card of kind {self.KIND!r}, got {card.kind!r}"
+            )
+        check_params(card, params)
+        self.card = card
+        self.params = params
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        x = features.float()  # [..., F]
+        if self.card.normalized:
+            x = l2_normalize(x)
+        return self.params.logits(x)  # [..., C]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return params_tensors(self.params)
+
+    def to(self, device: torch.device | str) -> Self:
+        return type(self)(self.card, self.params.to(device))
+
+    @classmethod
+    def from_tensors(cls, card: HeadCard, tensors: dict[str, torch.Tensor]) -> Self:
+        return cls(card, params_from_tensors(tensors))

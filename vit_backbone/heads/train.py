@@ -7,6 +7,7 @@ saved head's own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,6 +179,37 @@ class CardFacts:
         )
 
 
+def _layers(backbone: Backbone, options: TrainOptions) -> list[int] | None:
+    """The layers a head is trained on: the options', else the backbone's defaults."""
+    return backbone.resolve_layers(options.layers if options.layers is not None else backbone.defaults.layers)
+
+
+def _features(
+    backbone: Backbone,
+    files: Sequence[Path],
+    options: TrainOptions,
+    cache: FeatureCache | None,
+    *,
+    pooling: str,
+    layers: list[int] | None,
+    policy: str,
+) -> tuple[list[np.ndarray], CacheStats]:
+    """Every file's training feature (at the options' size and batch size), and how many the cache held."""
+    stats = CacheStats()
+    features = cached_features(
+        backbone,
+        files,
+        pooling=pooling,
+        layers=layers,
+        size=options.size,
+        policy=policy,
+        cache=cache,
+        batch_size=options.batch_size,
+        stats=stats,
+    )
+    return features, stats
+
+
 def _train_classifier(
     backbone: Backbone, folder: Path, options: TrainOptions, cache: FeatureCache | None
 ) -> TrainResult:
@@ -186,22 +218,11 @@ def _train_classifier(
     pooling = check_pooling(options.pooling or backbone.defaults.pooling)
     if pooling == "patch":
         raise InvalidOptionError("pooling='patch' gives a grid per image: use --kind patch for dense heads")
-    layers = backbone.resolve_layers(
-        options.layers if options.layers is not None else backbone.defaults.layers
-    )
+    layers = _layers(backbone, options)
     policy = backbone.check_policy(options.policy)
     dataset = read_labelled_folder(folder)
-    stats = CacheStats()
-    features = cached_features(
-        backbone,
-        dataset.paths,
-        pooling=pooling,
-        layers=layers,
-        size=options.size,
-        policy=policy,
-        cache=cache,
-        batch_size=options.batch_size,
-        stats=stats,
+    features, stats = _features(
+        backbone, dataset.paths, options, cache, pooling=pooling, layers=layers, policy=policy
     )
     x = np.stack(features)  # [N, F]
     y = np.asarray(dataset.labels, dtype=np.int64)
@@ -312,21 +333,10 @@ def _train_patch(
         )
     policy = options.policy or "squash"
     check_patch_policy(policy)
-    layers = backbone.resolve_layers(
-        options.layers if options.layers is not None else backbone.defaults.layers
-    )
+    layers = _layers(backbone, options)
     dataset = read_segmentation_folder(folder)
-    stats = CacheStats()
-    features = cached_features(
-        backbone,
-        dataset.images,
-        pooling="patch",
-        layers=layers,
-        size=options.size,
-        policy=policy,
-        cache=cache,
-        batch_size=options.batch_size,
-        stats=stats,
+    features, stats = _features(
+        backbone, dataset.images, options, cache, pooling="patch", layers=layers, policy=policy
     )
     masks = [read_mask(m) for m in dataset.masks]
     for image, mask, prepared_size in zip(dataset.images, masks, _source_sizes(dataset.images), strict=True):
