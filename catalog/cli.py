@@ -10,11 +10,12 @@ traceback (the next run still resumes from the last committed shard).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .stop_signals import EXIT_CODES, StopOnSignals
 
@@ -131,7 +132,7 @@ def parse_layers(values: list[str] | None) -> tuple[int, ...] | None:
 def run_embed_catalog(args: argparse.Namespace) -> int:
     stopper = StopOnSignals(threading.Event())
     try:
-        return _run(args, stopper)
+        status = _run(args, stopper)
     except KeyboardInterrupt:
         signum = stopper.received or signal.SIGINT
         print(
@@ -140,7 +141,19 @@ def run_embed_catalog(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_CODES[signal.Signals(signum)]
+        status = EXIT_CODES[signal.Signals(signum)]
+    if stopper.received:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> NoReturn:
+    """After a stop signal everything kept is already committed (shards and errors.jsonl fsynced): leave
+    without interpreter teardown, which can abort the process ("terminate called without an active
+    exception") while decode threads and torch's thread pool are still being torn down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
