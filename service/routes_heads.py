@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import torch
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from vit_backbone.errors import InvalidOptionError
@@ -43,15 +43,11 @@ from .auth import require_api_key
 from .engine import ClassifyOutcome, Engine, RequestTicket
 from .errors import ApiError
 from .schemas import (
-    ImageIn,
-    check_image_count,
-    decode_base64,
     is_json,
     media_type,
     merge_into,
-    parse_json_body,
+    parse_embed_json,
     parse_multipart,
-    validation_error,
 )
 from .serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from .served_heads import labels_json
@@ -85,26 +81,7 @@ class ClassifyQuery(BaseModel):
 
 
 def parse_classify_json(body: bytes, max_images: int) -> tuple[list[bytes], dict[str, Any]]:
-    payload = parse_json_body(body)
-    images = payload.pop("images", [])
-    if not isinstance(images, list):
-        raise ApiError(422, "invalid_request", 'images must be a list of {"base64": ...} objects')
-    check_image_count(len(images), max_images)
-    unknown = [key for key in payload if key not in CLASSIFY_OPTIONS]
-    if unknown:
-        raise ApiError(
-            422,
-            "invalid_request",
-            f"unknown field {unknown[0][:64]!r}; options: {', '.join(CLASSIFY_OPTIONS)}",
-        )
-    decoded = []
-    for index, item in enumerate(images):
-        try:
-            image = ImageIn.model_validate(item)
-        except ValidationError as exc:
-            raise validation_error(exc, index=index) from exc
-        decoded.append(decode_base64(image.base64, index))
-    return decoded, payload
+    return parse_embed_json(body, max_images, option_names=CLASSIFY_OPTIONS)
 
 
 def _head_name(engine: Engine, asked: str | None) -> str:

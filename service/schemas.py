@@ -311,17 +311,19 @@ def validation_error(exc: ValidationError, *, index: int | None = None) -> ApiEr
     return ApiError(422, "invalid_request", describe_validation_errors(exc.errors()), index=index)
 
 
-def parse_embed_json(body: bytes, max_images: int) -> tuple[list[bytes], dict[str, Any]]:
-    """JSON body → (image bytes, raw option values)."""
+def parse_embed_json(
+    body: bytes, max_images: int, *, option_names: Sequence[str] = OPTION_NAMES
+) -> tuple[list[bytes], dict[str, Any]]:
+    """JSON body → (image bytes, raw option values); ``option_names`` are the fields the route accepts."""
     payload = parse_json_body(body)
     images = payload.pop("images", [])
     if not isinstance(images, list):
         raise ApiError(422, "invalid_request", 'images must be a list of {"base64": ...} objects')
     check_image_count(len(images), max_images)
-    unknown = [key for key in payload if key not in OPTION_NAMES]
+    unknown = [key for key in payload if key not in option_names]
     if unknown:
         raise ApiError(
-            422, "invalid_request", f"unknown field {unknown[0][:64]!r}; options: {', '.join(OPTION_NAMES)}"
+            422, "invalid_request", f"unknown field {unknown[0][:64]!r}; options: {', '.join(option_names)}"
         )
     decoded: list[bytes] = []
     for index, item in enumerate(images):
