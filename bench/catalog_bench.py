@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from serve_bench import cover_resize, load_photos, wait_for_idle  # noqa: E402
 
-from catalog.precision import choose_precision  # noqa: E402
 from vit_backbone import load_backbone  # noqa: E402
 from vit_backbone.backbone import Backbone  # noqa: E402
+from vit_backbone.catalog.precision import choose_precision  # noqa: E402
 from vit_backbone.precision import cpu_has_native_bf16, min_cosine  # noqa: E402
 from vit_backbone.preprocess import stack  # noqa: E402
 
@@ -163,7 +163,7 @@ class CatalogRun:
 def run_catalog(
     source: Path, out: Path, engine: str, workers: int, batch_size: int, precision: str, count: int
 ) -> CatalogRun:
-    argv = [sys.executable, "-m", "service.cli", "embed-catalog", str(source), "--out", str(out)]
+    argv = [sys.executable, "-m", "vitembed", "embed-catalog", str(source), "--out", str(out)]
     argv += ["--batch-size", str(batch_size), "--workers", str(workers), "--precision", precision]
     argv += ["--engine", engine, "--shard-size", "100"]
     busy = wait_for_idle(0.3, 300)

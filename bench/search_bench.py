@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("LANCE_LOG", "error")
 
-from catalog.index import (  # noqa: E402
+from vit_backbone.catalog.index_build import (  # noqa: E402
     IndexOptions,
     ann_partitions,
     create_table,
 )
-from catalog.meta import CatalogMeta  # noqa: E402
-from catalog.search import SimilarityIndex, default_nprobes  # noqa: E402
+from vit_backbone.catalog.index_search import SimilarityIndex, default_nprobes  # noqa: E402
+from vit_backbone.catalog.meta import CatalogMeta  # noqa: E402
 
 LOCK = Path("/tmp/vitembed_bench.lock")
 RESULTS = ROOT / "bench" / "results"

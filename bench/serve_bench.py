@@ -334,7 +334,7 @@ class Server:
         command = [
             sys.executable,
             "-m",
-            "service.cli",
+            "vitembed",
             "serve",
             "--host",
             "127.0.0.1",

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vitembed.engine.served_heads import bind_heads
 
-from service.served_heads import bind_heads
 from vit_backbone import Backbone, load_backbone
 from vit_backbone.heads import (
     Head,
@@ -99,14 +99,14 @@ def test_bind_warns_when_the_served_precision_differs(
     saved: dict[str, Path], tiny_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     backbone = load_backbone(tiny_checkpoints["dinov2"], autocast=torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="service.served_heads"):
+    with caplog.at_level(logging.WARNING, logger="vitembed.engine.served_heads"):
         bind_heads({"lin": str(saved["linear"])}, {"tiny": backbone})
     assert [r.getMessage() for r in caplog.records] == [
         "head lin was trained on float32 features; model tiny serves them in bfloat16, so its probabilities "
         "differ slightly from the training-time ones (start with --precision float32 for exact parity)"
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="service.served_heads"):
+    with caplog.at_level(logging.WARNING, logger="vitembed.engine.served_heads"):
         bind_heads({"lin": str(saved["linear"])}, {"tiny": load_backbone(tiny_checkpoints["dinov2"])})
     assert caplog.records == []
 

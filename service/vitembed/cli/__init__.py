@@ -1,0 +1,1 @@
+"""The ``vitembed`` command line: one module per subcommand; ``main`` parses and dispatches."""

@@ -1,0 +1,5 @@
+"""``python -m vitembed.cli``: the same as the ``vitembed`` command."""
+
+from vitembed.cli.main import main
+
+raise SystemExit(main())

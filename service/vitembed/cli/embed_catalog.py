@@ -1,0 +1,301 @@
+"""``vitembed embed-catalog``: argument parsing and the run function registered in service/cli.py.
+
+Heavy imports (torch, the model, pyarrow, ray) happen inside ``run_embed_catalog`` so that ``vitembed
+--help`` stays instant. Ctrl-C (SIGINT) or SIGTERM asks the job to stop: rows already embedded are
+committed and the command exits with status 130 (SIGINT) or 143 (SIGTERM), the shell's 128 + signal
+number; running it again with the same arguments resumes. A second signal aborts at once, without a
+traceback (the next run still resumes from the last committed shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from vitembed.cli.stop_signals import EXIT_CODES, StopOnSignals
+
+if TYPE_CHECKING:
+    from vit_backbone.backbone import Backbone
+    from vit_backbone.catalog.job_folder import JobFile
+    from vit_backbone.catalog.meta import CatalogMeta
+
+POOLING_CHOICES = ("cls", "pooler", "mean", "cls_mean", "gem", "linear_eval")
+POLICY_CHOICES = ("crop", "squash", "pad", "dynamic")
+
+
+def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a folder of images (recursive; id = path relative to it) or a manifest "
+        "(.csv, .jsonl, .parquet) with 'id' and 'path' columns; other columns are kept",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the catalog folder (created or resumed)")
+    parser.add_argument(
+        "--model",
+        default="embedded",
+        metavar="[NAME=]PATH_OR_ID",
+        help="a checkpoint folder, a hub id from the local cache, or 'embedded' (default)",
+    )
+    parser.add_argument("--pooling", choices=POOLING_CHOICES, help="default: the model's")
+    parser.add_argument(
+        "--layers", nargs="+", metavar="I", help="block indices, e.g. 8 or -4 -3 -2 -1 (default: the model's)"
+    )
+    parser.add_argument(
+        "--size", nargs="+", metavar="H W", help="input size, 'H W' or 'HxW' (default: the model's)"
+    )
+    parser.add_argument("--policy", choices=POLICY_CHOICES, help="resize policy (default: the model's)")
+    parser.add_argument("--normalize", action="store_true", help="L2-normalise the vectors")
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="compute precision; auto (the server's rule) = bfloat16 autocast only where native, not "
+        "slower and cosine ≥ 0.999 to float32; --engine ray needs an explicit one; float16 needs CUDA",
+    )
+    parser.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="images per forward pass (default 8, the fastest measured)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="decode/preprocess threads (default 2); with --engine ray the concurrent decode tasks "
+        "(default: Ray Data decides)",
+    )
+    parser.add_argument("--shard-size", type=int, default=4096, metavar="ROWS", help="rows per Parquet shard")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local", help="default local")
+    parser.add_argument(
+        "--ray-address", metavar="ADDR", help="an existing Ray cluster (e.g. ray://head:10001 or 'auto')"
+    )
+    parser.add_argument(
+        "--actors",
+        type=int,
+        metavar="N",
+        help="Ray embedder actors (default: one per GPU, or 1 without GPUs)",
+    )
+    parser.add_argument("--progress", action="store_true", help="show the progress bar even off a terminal")
+    parser.add_argument(
+        "--retry-errors",
+        nargs="*",
+        metavar="CODE",
+        help="before running, drop these codes (all when none is given) from errors.jsonl so those images "
+        "are tried again, e.g. --retry-errors read_error internal_error",
+    )
+
+
+def parse_model(arg: str) -> tuple[str, str]:
+    """``NAME=TARGET`` → (NAME, TARGET); a folder → (its name, path); anything else names itself."""
+    name, sep, target = arg.partition("=")
+    if sep and name and "/" not in name and target:
+        folder = Path(target).expanduser()
+        return name, str(folder.resolve()) if folder.is_dir() else target
+    folder = Path(arg).expanduser()
+    if folder.is_dir():  # absolute, so Ray workers (other working directories) load the same folder
+        return folder.resolve().name, str(folder.resolve())
+    return arg, arg
+
+
+def parse_size(values: list[str] | None) -> tuple[int, int] | None:
+    if not values:
+        return None
+    parts = [p for v in values for p in v.lower().replace("x", " ").replace(",", " ").split()]
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 2 or min(numbers) < 1:
+        raise ValueError(f"--size takes 'H W' or 'HxW' with positive integers, got {' '.join(values)!r}")
+    return numbers[0], numbers[1]
+
+
+def parse_layers(values: list[str] | None) -> tuple[int, ...] | None:
+    if not values:
+        return None
+    parts = [p for v in values for p in v.replace(",", " ").split()]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"--layers takes block indices such as 8 or -4 -3 -2 -1, got {' '.join(values)!r}"
+        ) from None
+
+
+def run_embed_catalog(args: argparse.Namespace) -> int:
+    stopper = StopOnSignals(threading.Event())
+    try:
+        status = _run(args, stopper)
+    except KeyboardInterrupt:
+        signum = stopper.received or signal.SIGINT
+        print(
+            "\naborted: rows in committed shards and errors.jsonl are kept; run the same command again to "
+            "resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        status = EXIT_CODES[signal.Signals(signum)]
+    if stopper.received:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> NoReturn:
+    """After a stop signal everything kept is already committed (shards and errors.jsonl fsynced): leave
+    without interpreter teardown, which can abort the process ("terminate called without an active
+    exception") while decode threads and torch's thread pool are still being torn down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
+    from vit_backbone.errors import InvalidOptionError, MissingExtraError
+
+    try:
+        size, layers = parse_size(args.size), parse_layers(args.layers)
+        from vit_backbone.catalog.local_engine import RunSettings
+
+        workers = 2 if args.workers is None or args.engine == "ray" else args.workers
+        settings = RunSettings(batch_size=args.batch_size, workers=workers, shard_size=args.shard_size)
+    except ValueError as exc:
+        raise InvalidOptionError(str(exc)) from exc
+    if args.engine == "local" and (args.ray_address or args.actors):
+        raise InvalidOptionError("--ray-address and --actors need --engine ray")
+    for flag, value in (("--actors", args.actors), ("--workers", args.workers)):
+        if value is not None and value < 1:
+            raise InvalidOptionError(f"{flag} must be at least 1")
+    if args.engine == "ray":
+        from vit_backbone.catalog.ray_engine import require_ray
+
+        require_ray()
+        if args.precision == "auto":
+            raise InvalidOptionError(
+                "--engine ray needs an explicit --precision (float32, bfloat16 or float16): auto would "
+                "measure this machine, not the Ray workers that run the model"
+            )
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError("vitembed embed-catalog", "catalog") from exc
+    from vitembed.cli.progress import require_tqdm
+
+    require_tqdm()
+    return _embed(args, stopper, settings, size, layers)
+
+
+def _embed(
+    args: argparse.Namespace,
+    stopper: StopOnSignals,
+    settings: Any,
+    size: tuple[int, int] | None,
+    layers: tuple[int, ...] | None,
+) -> int:
+    import dataclasses
+
+    from vit_backbone import load_backbone
+    from vit_backbone.catalog.job_folder import (
+        EmbedSpec,
+        JobRecord,
+        OutputLock,
+        check_existing,
+        open_output,
+        read_job_file,
+        resolve_meta,
+    )
+    from vit_backbone.catalog.sources import open_source
+    from vit_backbone.errors import InvalidOptionError
+    from vit_backbone.precision import autocast_dtype, pick_device
+    from vitembed.cli.progress import ProgressBar
+
+    name, target = parse_model(args.model)
+    spec = EmbedSpec(args.pooling, layers, size, args.policy, args.normalize, args.dtype, args.precision)
+    source = open_source(args.source)
+    try:
+        device = pick_device(args.device)
+        if args.engine == "local":
+            autocast_dtype(args.precision, device)  # float16 without CUDA: refused before any file is made
+    except ValueError as exc:
+        raise InvalidOptionError(str(exc)) from exc
+    backbone = load_backbone(target, device=device)
+    meta = resolve_meta(backbone, name, spec)
+    out = Path(args.out).expanduser().resolve()
+    record = JobRecord(
+        source.location, source.kind, source.extra_columns, args.precision, "", len(source.items)
+    )
+    if out.is_dir():
+        check_existing(out, meta, record)  # refuse other options before creating the lock file
+    with OutputLock(out):
+        found = read_job_file(out)
+        if found is not None:
+            check_existing(out, meta, record)  # again, under the lock
+        precision, meta = _precision(args, backbone, meta, found, settings.batch_size, size)
+        record = dataclasses.replace(record, precision_used=precision)
+        state = open_output(out, meta, record, source, retry=_retry(args.retry_errors))
+        print(
+            f"embed-catalog: {len(source.items)} images in {source.location} ({len(state.done)} already done"
+            f"{f', {state.retried} failures to retry' if state.retried else ''}) -> {out}; model {name} "
+            f"({meta.revision}), pooling {meta.pooling}, layers {meta.layers}, policy {meta.policy}, "
+            f"dim {meta.dim}, {meta.dtype}, compute {precision}, engine {args.engine}",
+            file=sys.stderr,
+            flush=True,
+        )
+        todo = len(source.items) - len(state.done)
+        with stopper, ProgressBar(todo, force=args.progress) as bar:
+            if args.engine == "ray":
+                from vit_backbone.catalog.ray_engine import RayOptions, run_ray
+
+                ray_options = RayOptions(
+                    args.ray_address, args.actors, target, precision, "auto", args.workers
+                )
+                summary = run_ray(
+                    backbone, source, state, settings, ray_options, stop=stopper.stop, progress=bar.update
+                )
+            else:
+                from vit_backbone.catalog.local_engine import run_local
+
+                summary = run_local(backbone, source, state, settings, stop=stopper.stop, progress=bar.update)
+    print(summary.line(), flush=True)
+    if not summary.interrupted:
+        return 0
+    return EXIT_CODES[signal.Signals(stopper.received or signal.SIGINT)]
+
+
+def _precision(
+    args: argparse.Namespace,
+    backbone: Backbone,
+    meta: CatalogMeta,
+    found: JobFile | None,
+    batch_size: int,
+    size: tuple[int, int] | None,
+) -> tuple[str, CatalogMeta]:
+    """The compute precision and the meta recording it: a resumed catalog keeps its stored choice (one
+    catalog never mixes precisions); the Ray engine takes the explicit one (each actor applies it on its
+    own hardware); otherwise the shared rule measures this machine with the job's options."""
+    import dataclasses
+
+    from vit_backbone.catalog.precision import apply_precision, choose_precision
+    from vit_backbone.errors import InvalidOptionError
+
+    if found is not None and found.record.precision_used:
+        apply_precision(backbone, found.record.precision_used)
+        return found.record.precision_used, dataclasses.replace(meta, precision=found.meta.precision)
+    if args.engine == "ray":
+        precision = args.precision
+    else:
+        options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
+        try:
+            precision = choose_precision(backbone, args.precision, batch_size=batch_size, **options).label
+        except ValueError as exc:
+            raise InvalidOptionError(str(exc)) from exc
+    return precision, dataclasses.replace(meta, precision=precision)
+
+
+def _retry(codes: list[str] | None) -> tuple[str, ...] | None:
+    return None if codes is None else tuple(codes)

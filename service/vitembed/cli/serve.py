@@ -1,0 +1,164 @@
+"""``vitembed serve``: settings from flags over ``VITEMBED_*`` variables, then uvicorn on one process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
+
+from vit_backbone.errors import MissingExtraError
+from vitembed.settings_error import SettingsError as SettingsError  # re-exported: it lived here
+
+# flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--host": ("host", str, "address to bind (default 127.0.0.1: loopback only)"),
+    "--port": ("port", int, "port (default 8000)"),
+    "--device": ("device", str, "cpu | cuda | auto (default cpu)"),
+    "--precision": ("precision", str, "auto | float32 | bfloat16 | float16 (default auto)"),
+    "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 8)"),
+    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass"),
+    "--max-wait-ms": ("max_wait_ms", float, "how long a batch waits to fill (default 5)"),
+    "--queue-size": ("queue_size", int, "images queued before 429 (default 256)"),
+    "--decode-workers": ("decode_workers", int, "threads decoding and preprocessing (default 2)"),
+    "--request-timeout-s": ("request_timeout_s", float, "per-request deadline, then 504 (default 30)"),
+    "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413"),
+    "--max-images-per-request": ("max_images_per_request", int, "images per request, then 413 (default 64)"),
+    "--cache-dir": (
+        "cache_dir",
+        str,
+        "where the embedded checkpoint is converted (default ~/.cache/vitembed)",
+    ),
+    "--log-level": ("log_level", str, "debug | info | warning | error"),
+}
+
+
+_SERVICE_EXTRA = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "multipart", "prometheus_client"}
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH_OR_ID",
+        help="a model to serve (repeatable): NAME=folder|hub-id|embedded, or a bare folder (named after it); "
+        "default: the embedded backbone as 'embedded'",
+    )
+    parser.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        metavar="NAME=DB_PATH:TABLE",
+        help="a similarity index to serve on POST /v1/search (repeatable): a table built by `vitembed index "
+        "build`, embedded by one of the served models",
+    )
+    parser.add_argument(
+        "--head",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a frozen head to serve (repeatable): HEAD.safetensors, HEAD.json or a folder from `vitembed "
+        "heads train`; it runs on the served model with its revision and preprocessing (POST /v1/classify)",
+    )
+    for flag, (_, kind, help_text) in _FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from vitembed.settings import parse_index_args, parse_model_args
+
+    overrides: dict[str, Any] = {}
+    if args.model:
+        overrides["models"] = parse_model_args(args.model)
+    if getattr(args, "index", None):
+        overrides["indexes"] = parse_index_args(args.index)
+    if getattr(args, "head", None):
+        from vitembed.cli.heads import parse_head_args
+
+        overrides["heads"] = parse_head_args(args.head)
+    for _, (field, _, _) in _FLAGS.items():
+        value = getattr(args, field, None)
+        if value is not None:
+            overrides[field] = value
+    return overrides
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from vitembed.settings import ServiceSettings
+    except ImportError as exc:
+        _check_service_extra(exc)
+        raise
+    try:  # before the heavy imports below: a bad setting fails in a fraction of a second
+        settings = ServiceSettings(**settings_overrides(args))
+    except (ValidationError, ValueError) as exc:
+        raise SettingsError(_first_error(exc)) from exc
+    if settings.indexes:  # before loading any weights: a table no served model can query stops start-up
+        from vitembed.server.routes_search import preflight_indexes
+
+        preflight_indexes(settings)
+    if settings.heads:  # before loading any weights: a head that fits no served model stops start-up
+        from vitembed.engine.served_heads import preflight_heads
+
+        try:
+            preflight_heads(settings)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
+    try:
+        import uvicorn
+
+        from vitembed.server.app import create_app
+    except ImportError as exc:
+        _check_service_extra(exc)
+        raise
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # uvicorn handles SIGTERM itself (stop accepting, finish in-flight requests, shut down), then restores the
+    # handler it found and raises the signal again: with the default handler that kills the drained process
+    # (status -15). This handler turns that last step into a clean exit with status 0.
+    previous = _exit_cleanly_on_sigterm()
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
+            access_log=False,
+        )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _exit_cleanly_on_sigterm() -> Any:
+    """Install the SIGTERM handler uvicorn will restore and re-raise into; returns the previous one (None
+    off the main thread, where uvicorn installs no handlers either)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _check_service_extra(exc: ImportError) -> None:
+    """An import of the ``service`` extra failed: say which extra to install instead of a traceback."""
+    if (exc.name or "").split(".")[0] in _SERVICE_EXTRA:
+        raise MissingExtraError("vitembed serve", "service") from exc
+
+
+def _first_error(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "settings"
+        return f"invalid setting {where}: {first.get('msg')}"
+    return str(exc)

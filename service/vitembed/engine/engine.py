@@ -1,0 +1,429 @@
+"""The serving engine: served backbones, the decode pool and one dynamic batcher per model.
+
+Data flow of a request: bytes → decode + preprocess (worker pool, in parallel with forward passes) →
+batcher queue → forward thread (features + pooling) → rows back in input order. The engine holds no HTTP
+knowledge; the app maps its exceptions to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vit_backbone import load_backbone
+from vit_backbone.backbone import Backbone
+from vit_backbone.decode import DecodeLimits
+from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
+from vit_backbone.pooling import check_pooling
+from vit_backbone.precision import MIN_COSINE, choose_autocast, pick_device, to_device
+from vit_backbone.preprocess import Prepared, Preprocessor, stack
+from vitembed.engine.batcher import (
+    Admission,
+    CancelledWorkError,
+    DeadlineExceededError,
+    DynamicBatcher,
+    QueueFullError,
+    RequestTicket,
+    WorkItem,
+)
+from vitembed.engine.served_heads import (
+    BoundHead,
+    bind_heads,
+    card_json,
+    get_head,
+    head_outputs,
+    pool_requests,
+    select_heads,
+)
+from vitembed.server.metrics import Metrics
+from vitembed.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CancelledWorkError",
+    "ClassifyOutcome",
+    "DeadlineExceededError",
+    "EmbedOptions",
+    "EmbedOutcome",
+    "Engine",
+    "ItemError",
+    "NotReadyError",
+    "QueueFullError",
+    "RequestTicket",
+]
+
+
+class ItemError(Exception):
+    """One image of a request is unusable; ``index`` is its 0-based position."""
+
+    def __init__(self, index: int, error: VitEmbedError) -> None:
+        super().__init__(f"image {index}: {error}")
+        self.index = index
+        self.error = error
+
+
+class NotReadyError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    pooling: str | None = None
+    layers: tuple[int, ...] | None = None
+    size: tuple[int, int] | None = None
+    policy: str | None = None
+    normalize: bool = False
+    heads: tuple[str, ...] = ()  # heads computed from the same forward pass
+
+
+@dataclass(frozen=True)
+class EmbedOutcome:
+    vectors: np.ndarray  # [n, F] or [n, h, w, F] float32, input order
+    grids: list[tuple[int, int]]
+    model: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: list[int] | None
+    policy: str
+    normalized: bool
+    interpolation: str
+    precision: str
+    heads: tuple[BoundHead, ...] = ()
+    head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
+
+
+@dataclass(frozen=True)
+class ClassifyOutcome:
+    head: BoundHead
+    outputs: list[np.ndarray]  # per image: probabilities [C], or logits [h, w, C] for a patch head
+    source_sizes: list[tuple[int, int]]  # (H, W) of each input image
+    precision: str
+
+
+@dataclass
+class _Served:
+    name: str
+    backbone: Backbone
+    preprocessor: Preprocessor
+    batcher: DynamicBatcher
+    precision: str
+
+
+def _warmup_images() -> list[Image.Image]:
+    """Deterministic, textured images of two aspect ratios (no data files needed)."""
+    rng = np.random.default_rng(0)
+    images = []
+    for height, width in ((480, 640), (600, 400), (512, 512), (300, 900)):
+        yy, xx = np.mgrid[0:height, 0:width]
+        base = np.stack(
+            [(xx * 255 // width), (yy * 255 // height), ((xx + yy) * 127 // (height + width))], -1
+        )
+        noise = rng.integers(0, 64, size=(height, width, 3))
+        images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)))
+    return images
+
+
+class Engine:
+    def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.limits = DecodeLimits(
+            max_bytes=settings.max_body_bytes,
+            max_pixels=settings.max_image_pixels,
+            max_aspect_ratio=settings.max_aspect_ratio,
+        )
+        self.admission = Admission(settings.queue_size)
+        self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
+        self._served: dict[str, _Served] = {}
+        self._heads: dict[str, BoundHead] = {}
+        self._ready = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Load every model, choose its precision, and run a real forward pass before reporting ready."""
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
+        device = pick_device(self.settings.device)
+        for name, target in self.settings.models.items():
+            started = time.monotonic()
+            backbone = load_backbone(target, device=device, cache_dir=self.settings.cache_dir)
+            precision = self._choose_precision(name, backbone)
+            preprocessor = Preprocessor(
+                backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=self.limits
+            )
+            batcher = DynamicBatcher(
+                name,
+                functools.partial(self._forward, backbone),
+                admission=self.admission,
+                max_batch_size=self.settings.max_batch_size,
+                max_batch_tokens=self.settings.max_batch_tokens,
+                max_wait_s=self.settings.max_wait_ms / 1000,
+                on_batch=functools.partial(self._record_batch, name),
+                on_depth=self.metrics.queue_depth.labels(name).set,
+                on_drop=self._record_drop,
+            )
+            self._served[name] = _Served(name, backbone, preprocessor, batcher, precision)
+            log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision)
+        self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
+        self._ready = True
+
+    def _choose_precision(self, name: str, backbone: Backbone) -> str:
+        """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the
+        warm-up images with the model's default options; the choice is applied to the backbone."""
+        try:
+            choice = choose_autocast(backbone, self.settings.precision, _warmup_images() * 2, batch_size=8)
+        except ValueError as exc:
+            raise ValueError(f"model {name}: {exc}") from exc
+        if self.settings.precision == "auto" and choice.dtype is None and choice.seconds is not None:
+            log.warning(
+                "model %s: bfloat16 autocast not used (min cosine %.5f, %.3f s vs %.3f s float32)",
+                name,
+                choice.min_cosine,
+                choice.seconds[1],
+                choice.seconds[0],
+            )
+        elif choice.min_cosine is not None and choice.min_cosine < MIN_COSINE:
+            log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
+        backbone.autocast = choice.dtype
+        return choice.describe()
+
+    def stop(self) -> None:
+        self._ready = False
+        for served in self._served.values():
+            served.batcher.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and all(s.batcher.alive for s in self._served.values())
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def model_names(self) -> list[str]:
+        return list(self._served) or list(self.settings.models)
+
+    def model_infos(self) -> dict[str, dict[str, Any]]:
+        """Each model's facts and precision, plus ``heads`` (name -> card) for a model that has heads."""
+        infos: dict[str, dict[str, Any]] = {}
+        for name, served in self._served.items():
+            infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision}
+            heads = {h.name: card_json(h.card) for h in self._heads.values() if h.model == name}
+            if heads:
+                infos[name]["heads"] = heads
+        return infos
+
+    @property
+    def head_names(self) -> list[str]:
+        return list(self._heads)
+
+    def bound_head(self, name: str) -> BoundHead:
+        """The served head ``name`` (404 ``head_not_found`` otherwise)."""
+        return get_head(self._heads, name)
+
+    def _get(self, model: str) -> _Served:
+        if not self._ready:
+            raise NotReadyError("models are still loading")
+        served = self._served.get(model)
+        if served is None:
+            raise ModelNotFoundError(f"model {model!r} is not served; served: {', '.join(self._served)}")
+        return served
+
+    def output_dim(self, model: str, options: EmbedOptions) -> int:
+        served = self._get(model)
+        bb = served.backbone
+        pooling = check_pooling(options.pooling or bb.defaults.pooling)
+        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        return bb.output_dim(pooling, layers)
+
+    # ----------------------------------------------------------------- the request path
+    async def embed(
+        self,
+        model: str,
+        images: Sequence[bytes],
+        options: EmbedOptions,
+        *,
+        ticket: RequestTicket,
+        deadline: float,
+    ) -> EmbedOutcome:
+        served = self._get(model)
+        bb = served.backbone
+        # validate every option before spending any work on the images
+        pooling = check_pooling(options.pooling or bb.defaults.pooling)
+        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        policy = bb.check_policy(options.policy)
+        heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
+        if options.size is not None:
+            self._check_size(served, policy, options.size)
+        prepared = await self._prepare_all(served, images, policy, options.size)
+        head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
+        key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
+        rows = await self._run(served, prepared, key_tail, ticket, deadline)
+        outputs = [row[1] for row in rows] if heads else []
+        vectors = [row[0] for row in rows] if heads else rows
+        return EmbedOutcome(
+            vectors=np.stack(vectors) if rows else np.zeros((0, bb.output_dim(pooling, layers)), np.float32),
+            grids=[p.grid for p in prepared],
+            model=model,
+            revision=bb.checkpoint.revision,
+            preprocess_hash=bb.preprocess_config.hash(),
+            pooling=pooling,
+            layers=layers,
+            policy=policy,
+            normalized=options.normalize,
+            interpolation=bb.info_interpolation,
+            precision=served.precision,
+            heads=heads,
+            head_outputs=outputs,
+        )
+
+    async def classify(
+        self, head: str, images: Sequence[bytes], *, ticket: RequestTicket, deadline: float
+    ) -> ClassifyOutcome:
+        """One head's outputs: images prepared as the head was trained, its features, its probabilities."""
+        if not self._ready:
+            raise NotReadyError("models are still loading")
+        bound = get_head(self._heads, head)
+        served = self._get(bound.model)
+        inputs = bound.inputs
+        if inputs.size is not None:
+            self._check_size(served, inputs.policy, inputs.size)
+        prepared = await self._prepare_all(served, images, inputs.policy, inputs.size)
+        layers = None if inputs.layers is None else tuple(inputs.layers)
+        rows = await self._run(served, prepared, (inputs.pooling, layers, False, (head,)), ticket, deadline)
+        return ClassifyOutcome(
+            head=bound,
+            outputs=[row[1][head] for row in rows],
+            source_sizes=[p.source_size for p in prepared],
+            precision=served.precision,
+        )
+
+    async def _run(
+        self,
+        served: _Served,
+        prepared: Sequence[Prepared],
+        key_tail: tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]],
+        ticket: RequestTicket,
+        deadline: float,
+    ) -> list[Any]:
+        """Queue one request's images for the forward thread and wait for their rows, in input order."""
+        prefix = served.backbone.prefix_tokens
+        items = [
+            WorkItem(
+                prepared=p,
+                key=(p.grid, *key_tail),
+                tokens=p.grid[0] * p.grid[1] + prefix,
+                ticket=ticket,
+            )
+            for p in prepared
+        ]
+        try:
+            served.batcher.submit(items)
+        except QueueFullError:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise
+        results = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))
+        try:
+            rows = await asyncio.wait_for(results, timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            ticket.cancel()
+            raise DeadlineExceededError(f"no result within {self.settings.request_timeout_s:g} s") from exc
+        except BaseException:
+            ticket.cancel()  # client gone or the task cancelled: drop what is still queued
+            results.add_done_callback(_consume)  # nobody awaits it any more; don't log it as lost
+            raise
+        self.metrics.images.labels(served.name).inc(len(items))
+        return list(rows)
+
+    def _check_size(self, served: _Served, policy: str, size: tuple[int, int]) -> None:
+        """A size that no image can satisfy is the request's fault, not one image's: refuse it before
+        decoding anything (the preprocessor's own check names the nearest valid sizes)."""
+        served.preprocessor.target_size(policy, size, size)  # type: ignore[arg-type]
+        (ph, pw) = served.backbone.patch_size
+        tokens = (size[0] // ph) * (size[1] // pw)
+        if tokens > self.settings.max_tokens_per_image:
+            raise SizeError(
+                f"size {size[0]}x{size[1]} gives {tokens} patch tokens, over the server's limit of "
+                f"{self.settings.max_tokens_per_image} (attention cost grows with tokens²); "
+                f"ask for a smaller size"
+            )
+
+    async def _prepare_all(
+        self, served: _Served, images: Sequence[bytes], policy: str, size: tuple[int, int] | None
+    ) -> list[Prepared]:
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.run_in_executor(self._pool, self._prepare_one, served, data, policy, size) for data in images
+        ]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, VitEmbedError):
+                raise ItemError(index, result)
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if isinstance(r, Prepared)]
+
+    def _prepare_one(
+        self, served: _Served, data: bytes, policy: str, size: tuple[int, int] | None
+    ) -> Prepared:
+        started = time.perf_counter()
+        prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
+        tokens = prepared.grid[0] * prepared.grid[1]
+        if tokens > self.settings.max_tokens_per_image:
+            raise SizeError(
+                f"this size gives a {prepared.grid[0]}x{prepared.grid[1]} grid = {tokens} tokens, over the "
+                f"server's limit of {self.settings.max_tokens_per_image} "
+                f"(attention cost grows with tokens²); ask for a smaller size"
+            )
+        self.metrics.stage_seconds.labels("decode").observe(prepared.decode_s)
+        self.metrics.stage_seconds.labels("preprocess").observe(
+            time.perf_counter() - started - prepared.decode_s
+        )
+        return prepared
+
+    # ----------------------------------------------------------------- the forward thread
+    def _forward(self, backbone: Backbone, items: Sequence[WorkItem]) -> Sequence[Any]:
+        """Rows [F] (or [h, w, F]); with heads, (row, {head: output}) pairs from the same forward pass."""
+        _, pooling, layers, normalize, head_names = items[0].key
+        pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
+        pixel_values = to_device(pixel_values, backbone.device)  # pinned + non-blocking on CUDA
+        chosen_layers = None if layers is None else list(layers)
+        heads = [self._heads[name] for name in head_names]
+        if heads:
+            requests, where = pool_requests(check_pooling(pooling), chosen_layers, heads)
+            features = backbone.pooled_many(pixel_values, requests)  # one forward pass for all of them
+            pooled = features[0]
+        else:
+            pooled = backbone.pooled(pixel_values, check_pooling(pooling), chosen_layers)
+        pooled = pooled.float()
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        vectors = pooled.cpu().numpy()  # [b, F] or [b, h, w, F]
+        if not heads:
+            return list(vectors)
+        return list(zip(vectors, head_outputs(heads, features, where), strict=True))
+
+    def _record_drop(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    def _record_batch(self, model: str, size: int, queue_wait: float, forward_s: float) -> None:
+        self.metrics.batch_size.labels(model).observe(size)
+        self.metrics.forward_passes.labels(model).inc()
+        self.metrics.stage_seconds.labels("queue").observe(queue_wait)
+        self.metrics.stage_seconds.labels("forward").observe(forward_s)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

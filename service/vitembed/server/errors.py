@@ -1,0 +1,327 @@
+"""The one error boundary of the HTTP service.
+
+Every error leaves as ``{"error": {"code", "message", "index"?, "request_id"}}`` with the status below and an
+``X-Request-ID`` header; nothing the client sent is echoed back (messages are fixed text or the library's own,
+whose echoed option values the schemas bound to a few dozen characters). Anything unexpected becomes a generic
+500 whose traceback goes to the log under the same request id.
+
+Status mapping:
+
+=============================================================  ======
+bad request body: empty, not JSON / multipart, no images,         400
+invalid base64 or data URI, image bytes ``empty``,
+``not_an_image``, ``truncated``, ``zero_size``
+missing or wrong bearer token                                     401
+unknown model, unknown route                                      404
+method not allowed                                                405
+body over ``max_body_bytes``, too many images, image ``too_large``  413
+wrong Content-Type, image ``unsupported_format``                  415
+options that cannot be honoured (pooling, layers, size, policy,   422
+dtype...), image ``too_many_pixels`` or ``aspect_ratio`` (a
+well-formed image that exceeds a limit), request validation
+admission queue full (``Retry-After``: whole seconds, ≥ 1)        429
+client closed the connection before the answer (never seen by     499
+the client; counted in the metrics)
+internal error, model output not finite (``non_finite``)          500
+models loading or a model worker stopped                          503
+request deadline (``request_timeout_s``) passed                    504
+=============================================================  ======
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+import math
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vit_backbone.errors import ImageDecodeError, InvalidOptionError, ModelNotFoundError, VitEmbedError
+from vitembed.engine.engine import (
+    CancelledWorkError,
+    DeadlineExceededError,
+    ItemError,
+    NotReadyError,
+    QueueFullError,
+)
+from vitembed.server.metrics import Metrics
+
+log = logging.getLogger("vitembed.service")
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_REQUEST_ID_KEY = "vitembed.request_id"  # where the id lives in the ASGI scope
+_REQUEST_ID_MAX = 64
+_REQUEST_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+CLIENT_CLOSED = 499  # nginx's "client closed request": the answer had no one to go to
+
+# ImageDecodeError.code -> status. Malformed bytes are the client's bad request (400); a format we refuse
+# is 415 like a wrong Content-Type; too many bytes is 413 like a too-large body; a well-formed image that
+# breaks a geometric limit (pixel budget, aspect ratio) cannot be processed as sent: 422.
+DECODE_STATUS: Mapping[str, int] = {
+    "empty": 400,
+    "not_an_image": 400,
+    "truncated": 400,
+    "zero_size": 400,
+    "invalid_image": 400,
+    "unsupported_format": 415,
+    "too_large": 413,
+    "too_many_pixels": 422,
+    "aspect_ratio": 422,
+}
+
+_HTTP_CODES: Mapping[int, str] = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+class ApiError(Exception):
+    """An error the service answers on purpose: status, stable code, message for people, optional index."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        index: int | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.index = index
+        self.headers = dict(headers or {})
+
+
+# ------------------------------------------------------------------------------------------- request ids
+def sanitise_request_id(raw: str | None) -> str:
+    """Keep a caller's id if anything safe is left of it (≤ 64 of ``[A-Za-z0-9._:-]``), else make one."""
+    cleaned = _REQUEST_ID_UNSAFE.sub("", raw or "")[:_REQUEST_ID_MAX]
+    return cleaned or uuid.uuid4().hex
+
+
+def request_id(scope: Scope) -> str:
+    rid = scope.get(_REQUEST_ID_KEY)
+    if not isinstance(rid, str):
+        rid = scope[_REQUEST_ID_KEY] = sanitise_request_id(None)
+    return rid
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-request-id":
+            return str(value.decode("latin-1"))
+    return None
+
+
+# ------------------------------------------------------------------------------------------- bodies
+def error_body(code: str, message: str, rid: str, index: int | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if index is not None:
+        error["index"] = index
+    error["request_id"] = rid
+    return {"error": error}
+
+
+def error_response(
+    scope: Scope,
+    status: int,
+    code: str,
+    message: str,
+    *,
+    index: int | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    rid = request_id(scope)
+    merged = {**(headers or {}), REQUEST_ID_HEADER: rid}
+    return JSONResponse(error_body(code, message, rid, index), status_code=status, headers=merged)
+
+
+def internal_error_response(scope: Scope, exc: BaseException) -> JSONResponse:
+    rid = request_id(scope)
+    log.error(
+        "internal error (request_id=%s, %s %s)",
+        rid,
+        scope.get("method", "?"),
+        scope.get("path", "?"),
+        exc_info=(type(exc), exc, exc.__traceback__),
+    )
+    return error_response(scope, 500, "internal", "internal error")
+
+
+def describe_validation_errors(errors: Sequence[Any], *, limit: int = 5) -> str:
+    """Where and what, never the input: pydantic's ``msg`` states the rule, ``loc`` names the field (keys
+    the client made up are cut to 64 characters)."""
+    parts: list[str] = []
+    for error in errors[:limit]:
+        loc = [str(p)[:64] for p in error.get("loc", ()) if p != "body"]
+        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")[:300]
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    if len(errors) > limit:
+        parts.append(f"and {len(errors) - limit} more")
+    return "; ".join(parts) or "invalid request"
+
+
+# ------------------------------------------------------------------------------------------- mapping
+def status_for(error: VitEmbedError) -> int:
+    """The status of a library error; 500 for errors that are never the request's fault."""
+    if isinstance(error, ModelNotFoundError):
+        return 404
+    if isinstance(error, ImageDecodeError):
+        return DECODE_STATUS.get(error.code, 400)
+    if isinstance(error, InvalidOptionError):  # SizeError included
+        return 422
+    return 500
+
+
+def _library_error(request: Request, error: VitEmbedError, index: int | None) -> Response:
+    status = status_for(error)
+    if status == 500:
+        return internal_error_response(request.scope, error)
+    return error_response(request.scope, status, error.code, str(error), index=index)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(
+        request.scope, exc.status, exc.code, exc.message, index=exc.index, headers=exc.headers
+    )
+
+
+async def _vitembed_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, VitEmbedError)
+    return _library_error(request, exc, None)
+
+
+async def _item_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ItemError)
+    return _library_error(request, exc.error, exc.index)
+
+
+async def _queue_full(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, QueueFullError)
+    seconds = max(1, math.ceil(exc.retry_after_s))
+    return error_response(
+        request.scope,
+        429,
+        "queue_full",
+        f"the server is at capacity; retry in {seconds} s",
+        headers={"Retry-After": str(seconds)},
+    )
+
+
+async def _deadline(request: Request, exc: Exception) -> Response:
+    return error_response(
+        request.scope, 504, "deadline_exceeded", str(exc) or "the request deadline passed before an answer"
+    )
+
+
+async def _not_ready(request: Request, exc: Exception) -> Response:
+    return error_response(request.scope, 503, "not_ready", str(exc) or "the models are not ready")
+
+
+async def _cancelled(request: Request, exc: Exception) -> Response:
+    return error_response(request.scope, CLIENT_CLOSED, "client_closed_request", "the client went away")
+
+
+async def _validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(request.scope, 422, "invalid_request", describe_validation_errors(exc.errors()))
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status >= 500:
+        return internal_error_response(request.scope, exc)
+    code = _HTTP_CODES.get(status, "http_error")
+    try:
+        message = http.HTTPStatus(status).phrase.lower()
+    except ValueError:
+        message = "request refused"
+    if status == 405:
+        message = f"method {request.method} is not allowed on this route"
+    return error_response(request.scope, status, code, message, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return internal_error_response(request.scope, exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    handlers = {
+        ApiError: _api_error,
+        ItemError: _item_error,
+        VitEmbedError: _vitembed_error,
+        QueueFullError: _queue_full,
+        DeadlineExceededError: _deadline,
+        NotReadyError: _not_ready,
+        CancelledWorkError: _cancelled,
+        RequestValidationError: _validation,
+        StarletteHTTPException: _http_exception,
+        Exception: _unexpected,  # Starlette's outermost ServerErrorMiddleware; RequestContext catches first
+    }
+    for exc_class, handler in handlers.items():
+        app.add_exception_handler(exc_class, handler)
+
+
+# ------------------------------------------------------------------------------------------- middleware
+class RequestContextMiddleware:
+    """Pure ASGI, outermost of ours: assigns the request id and echoes it, counts every answer by route
+    template and status, and turns any exception that escaped the handlers into the generic 500 (logged
+    with its traceback) instead of a plain-text page or a dropped connection."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, known_paths: frozenset[str] = frozenset()) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = scope[_REQUEST_ID_KEY] = sanitise_request_id(_incoming_request_id(scope))
+        header = (REQUEST_ID_HEADER.lower().encode(), rid.encode())
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = [h for h in message.get("headers", []) if h[0].lower() != header[0]]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if status:  # the answer has begun: nothing valid can follow, let the server drop the connection
+                log.error("error after the response started (request_id=%s)", rid, exc_info=exc)
+                raise
+            await internal_error_response(scope, exc)(scope, receive, send_with_id)
+        finally:
+            self.metrics.requests.labels(_route_template(scope, self.known_paths), str(status or 500)).inc()
+
+
+def _route_template(scope: Scope, known_paths: frozenset[str]) -> str:
+    """The matched route's path template, so label values stay bounded; an answer given before routing
+    (e.g. a 413 on Content-Length) is labelled with its path when that is a known route."""
+    path = getattr(scope.get("route"), "path", None)
+    if isinstance(path, str):
+        return path
+    return str(scope.get("path")) if scope.get("path") in known_paths else "unmatched"

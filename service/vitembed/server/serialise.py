@@ -1,0 +1,152 @@
+"""Vectors → response bodies: JSON numbers, base64 little-endian bytes, or one ``.npy`` array.
+
+Finiteness is checked before anything is written (a NaN must never reach a client as a number, nor make
+the JSON encoder fail halfway); float16 overflow is refused rather than sent as infinity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from vitembed.engine.engine import EmbedOutcome
+from vitembed.engine.served_heads import heads_json, heads_provenance, non_finite_head
+from vitembed.server.errors import ApiError
+from vitembed.server.metrics import Metrics
+
+T = TypeVar("T")
+
+NPY_MEDIA_TYPE = "application/x-npy"
+HEADER_PREFIX = "X-Vitembed-"
+_LITTLE_ENDIAN: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+OFFLOAD_VALUES = 200_000  # above this many numbers, serialise in a thread: the event loop keeps serving
+
+
+async def timed(metrics: Metrics, work: Callable[[], T], *, values: int) -> T:
+    """Run one serialisation, off the event loop when it is large, and record the ``serialise`` stage."""
+    started = time.perf_counter()
+    try:
+        return await asyncio.to_thread(work) if values > OFFLOAD_VALUES else work()
+    finally:
+        metrics.stage_seconds.labels("serialise").observe(time.perf_counter() - started)
+
+
+def check_finite(vectors: np.ndarray) -> None:
+    finite = np.isfinite(vectors).reshape(len(vectors), -1).all(axis=1)  # [n]
+    if not finite.all():
+        raise ApiError(
+            500,
+            "non_finite",
+            "the model produced non-finite values (NaN or infinity) for this image",
+            index=int(np.argmin(finite)),
+        )
+
+
+def cast(vectors: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 [n, ...] → the requested little-endian dtype, refusing float16 overflow."""
+    out = np.ascontiguousarray(vectors, dtype=_LITTLE_ENDIAN[dtype])
+    if dtype == "float16":
+        finite = np.isfinite(out).reshape(len(out), -1).all(axis=1)
+        if not finite.all():
+            raise ApiError(
+                422,
+                "dtype_overflow",
+                "the embedding has values beyond the float16 range (±65504); ask for dtype=float32",
+                index=int(np.argmin(finite)),
+            )
+    return out
+
+
+def b64(row: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(row).tobytes()).decode("ascii")
+
+
+def dumps(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+
+
+def provenance(outcome: EmbedOutcome, dtype: str) -> dict[str, Any]:
+    return {
+        "model": outcome.model,
+        "revision": outcome.revision,
+        "preprocess_hash": outcome.preprocess_hash,
+        "pooling": outcome.pooling,
+        "layers": None if outcome.layers is None else list(outcome.layers),
+        "normalized": outcome.normalized,
+        "dtype": dtype,
+        "policy": outcome.policy,
+        "interpolation": outcome.interpolation,
+        "precision": outcome.precision,
+    }
+
+
+def embed_json(outcome: EmbedOutcome, *, dtype: str, encoding: str, return_grid: bool | None) -> bytes:
+    """The ``/v1/embed`` JSON body; ``return_grid=None`` includes grids only for ``pooling=patch``."""
+    check_finite(outcome.vectors)
+    vectors = cast(outcome.vectors, dtype)  # [n, F] or [n, h, w, F]
+    with_grid = outcome.pooling == "patch" if return_grid is None else return_grid
+    data = []
+    for index, row in enumerate(vectors):
+        item: dict[str, Any] = {
+            "index": index,
+            "embedding": b64(row) if encoding == "base64" else row.tolist(),
+        }
+        if with_grid:
+            item["grid"] = list(outcome.grids[index])
+        if outcome.heads:  # computed from the same forward pass as the embedding
+            bad = non_finite_head(outcome.heads, outcome.head_outputs[index])
+            if bad is not None:
+                raise ApiError(500, "non_finite", f"head {bad!r} produced non-finite values", index=index)
+            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index])
+        data.append(item)
+    facts = provenance(outcome, dtype)
+    if outcome.heads:
+        facts["heads"] = heads_provenance(outcome.heads, outcome.precision)
+    return dumps({"model": outcome.model, "dim": int(vectors.shape[-1]), "data": data, "provenance": facts})
+
+
+def embed_npy(outcome: EmbedOutcome, *, dtype: str) -> tuple[bytes, dict[str, str]]:
+    """One ``.npy`` array [n, F] or [n, h, w, F]; provenance goes in ``X-Vitembed-*`` headers."""
+    check_finite(outcome.vectors)
+    vectors = cast(outcome.vectors, dtype)
+    buffer = io.BytesIO()
+    np.save(buffer, vectors, allow_pickle=False)
+    facts = provenance(outcome, dtype)
+    headers = {
+        f"{HEADER_PREFIX}{key.replace('_', '-').title()}": value
+        if isinstance(value, str)
+        else json.dumps(value, separators=(",", ":"))
+        for key, value in facts.items()
+    }
+    headers[f"{HEADER_PREFIX}Dim"] = str(vectors.shape[-1])
+    headers[f"{HEADER_PREFIX}Grids"] = json.dumps([list(g) for g in outcome.grids], separators=(",", ":"))
+    return buffer.getvalue(), headers
+
+
+def openai_json(outcome: EmbedOutcome, *, encoding_format: str) -> bytes:
+    """OpenAI's embeddings shape; ``base64`` is float32 little-endian, as the official client decodes it."""
+    check_finite(outcome.vectors)
+    vectors = cast(outcome.vectors.reshape(len(outcome.vectors), -1), "float32")  # [n, F]
+    data = [
+        {
+            "object": "embedding",
+            "index": index,
+            "embedding": b64(row) if encoding_format == "base64" else row.tolist(),
+        }
+        for index, row in enumerate(vectors)
+    ]
+    return dumps(
+        {
+            "object": "list",
+            "data": data,
+            "model": outcome.model,
+            "usage": {"prompt_tokens": 0, "total_tokens": 0},
+        }
+    )

@@ -1,0 +1,166 @@
+"""The dynamic batcher on its own: batch formation, admission, cancellation, failure isolation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from vitembed.engine.batcher import (
+    Admission,
+    CancelledWorkError,
+    DeadlineExceededError,
+    DynamicBatcher,
+    QueueFullError,
+    RequestTicket,
+    WorkItem,
+)
+
+from vit_backbone.preprocess import Prepared
+
+
+def item(
+    value: float, ticket: RequestTicket, *, grid: tuple[int, int] = (2, 2), pooling: str = "cls"
+) -> WorkItem:
+    prepared = Prepared(torch.full((3, 28, 28), value), grid, (28, 28), "squash")
+    return WorkItem(prepared, (grid, pooling, None, False), tokens=grid[0] * grid[1] + 1, ticket=ticket)
+
+
+class Recorder:
+    """Returns each item's pixel value as its row, and records the batches it saw."""
+
+    def __init__(self, delay: float = 0.0, fail_on: float | None = None) -> None:
+        self.batches: list[list[float]] = []
+        self.delay = delay
+        self.fail_on = fail_on
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, items: Sequence[WorkItem]) -> np.ndarray:
+        self.gate.wait(5)
+        values = [float(i.prepared.pixel_values[0, 0, 0]) for i in items]
+        self.batches.append(values)
+        time.sleep(self.delay)
+        if self.fail_on is not None and self.fail_on in values:
+            raise RuntimeError("boom")
+        return np.array(values, dtype=np.float32)[:, None]
+
+
+def make(run: Recorder, **kwargs: float) -> DynamicBatcher:
+    options = {"max_batch_size": 4, "max_batch_tokens": 10_000, "max_wait_s": 0.05, **kwargs}
+    return DynamicBatcher(
+        "t",
+        run,
+        admission=Admission(int(options.pop("capacity", 64))),
+        max_batch_size=int(options["max_batch_size"]),
+        max_batch_tokens=int(options["max_batch_tokens"]),
+        max_wait_s=float(options["max_wait_s"]),
+    )
+
+
+def test_concurrent_items_share_batches_up_to_the_size_limit() -> None:
+    run = Recorder()
+    run.gate.clear()  # hold the forward thread so that everything queues first
+    batcher = make(run)
+    ticket = RequestTicket(time.monotonic() + 10)
+    items = [item(float(i), ticket) for i in range(10)]
+    for it in items:
+        batcher.submit([it])
+    run.gate.set()
+    results = [float(it.future.result(5)[0]) for it in items]
+    batcher.stop()
+    assert results == [float(i) for i in range(10)]
+    assert [len(b) for b in run.batches] in ([1, 4, 4, 1], [4, 4, 2])
+    assert sorted(v for b in run.batches for v in b) == results
+
+
+def test_token_budget_and_keys_split_batches() -> None:
+    run = Recorder()
+    run.gate.clear()
+    batcher = make(run, max_batch_size=8, max_batch_tokens=12)  # 5 tokens per 2x2 item → 2 per batch
+    ticket = RequestTicket(time.monotonic() + 10)
+    same = [item(float(i), ticket) for i in range(4)]
+    other = [item(100.0 + i, ticket, grid=(3, 3)) for i in range(2)]  # 10 tokens → 1 per batch
+    batcher.submit(same + other)
+    run.gate.set()
+    for it in same + other:
+        it.future.result(5)
+    batcher.stop()
+    assert all(len(b) <= 2 for b in run.batches)
+    for batch in run.batches:  # grids never mix within a forward pass
+        assert all(v >= 100 for v in batch) or all(v < 100 for v in batch)
+    assert (
+        sum(len(b) for b in run.batches if b[0] >= 100) == 2
+        and max(len(b) for b in run.batches if b[0] >= 100) == 1
+    )
+
+
+def test_full_queue_refuses_the_whole_request_at_once() -> None:
+    run = Recorder()
+    run.gate.clear()
+    batcher = make(run, capacity=3)
+    ticket = RequestTicket(time.monotonic() + 10)
+    first = [item(1.0, ticket), item(2.0, ticket)]
+    batcher.submit(first)
+    with pytest.raises(QueueFullError) as refused:
+        batcher.submit([item(3.0, ticket), item(4.0, ticket)])
+    assert refused.value.retry_after_s >= 1.0
+    run.gate.set()
+    for it in first:
+        it.future.result(5)
+    batcher.submit([item(5.0, ticket), item(6.0, ticket), item(7.0, ticket)])  # capacity freed again
+    batcher.stop()
+    assert sorted(v for b in run.batches for v in b) == [1.0, 2.0, 5.0, 6.0, 7.0]
+
+
+def test_cancelled_and_expired_items_never_reach_a_forward_pass() -> None:
+    run = Recorder()
+    run.gate.clear()
+    batcher = make(run, max_batch_size=1)
+    blocker = item(0.0, RequestTicket(time.monotonic() + 10))
+    batcher.submit([blocker])
+    time.sleep(0.1)  # the forward thread now holds the blocker
+    gone = RequestTicket(time.monotonic() + 10)
+    late = RequestTicket(time.monotonic() + 0.05)
+    dropped = [item(1.0, gone), item(2.0, late)]
+    kept = item(3.0, RequestTicket(time.monotonic() + 10))
+    batcher.submit(dropped)
+    batcher.submit([kept])
+    gone.cancel()
+    time.sleep(0.1)
+    run.gate.set()
+    assert float(kept.future.result(5)[0]) == 3.0
+    with pytest.raises(CancelledWorkError):
+        dropped[0].future.result(5)
+    with pytest.raises(DeadlineExceededError):
+        dropped[1].future.result(5)
+    batcher.stop()
+    assert [v for b in run.batches for v in b] == [0.0, 3.0]
+
+
+def test_a_failing_batch_fails_only_its_own_items() -> None:
+    run = Recorder(fail_on=1.0)
+    batcher = make(run, max_batch_size=1)
+    ticket = RequestTicket(time.monotonic() + 10)
+    bad, good = item(1.0, ticket), item(2.0, ticket)
+    batcher.submit([bad])
+    batcher.submit([good])
+    with pytest.raises(RuntimeError, match="boom"):
+        bad.future.result(5)
+    assert float(good.future.result(5)[0]) == 2.0
+    assert batcher.alive
+    batcher.stop()
+    assert not batcher.alive
+
+
+def test_stop_finishes_queued_work() -> None:
+    run = Recorder(delay=0.01)
+    batcher = make(run, max_batch_size=2, max_wait_s=5.0)  # would wait long for a full batch
+    ticket = RequestTicket(time.monotonic() + 10)
+    items = [item(float(i), ticket) for i in range(3)]
+    batcher.submit(items)
+    batcher.stop()
+    assert [float(it.future.result(1)[0]) for it in items] == [0.0, 1.0, 2.0]

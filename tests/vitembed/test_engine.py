@@ -1,0 +1,159 @@
+"""The engine with a real tiny checkpoint: batching across requests, parity with the library, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from vitembed.engine.engine import EmbedOptions, Engine, ItemError, NotReadyError, RequestTicket
+from vitembed.server.metrics import Metrics
+from vitembed.settings import ServiceSettings
+
+from vit_backbone import InvalidOptionError, ModelNotFoundError, SizeError, load_backbone
+from vit_backbone.backbone import Backbone
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def metric(engine: Engine, name: str) -> float:
+    text = engine.metrics.render()[0].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints: dict[str, Path]) -> Iterator[Engine]:
+    settings = ServiceSettings(
+        models={"tiny": str(tiny_checkpoints["dinov2"])}, max_wait_ms=20, precision="float32"
+    )
+    eng = Engine(settings, Metrics())
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+async def embed(engine: Engine, images: list[bytes], **options: object) -> np.ndarray:
+    deadline = time.monotonic() + 30
+    outcome = await engine.embed(
+        "tiny",
+        images,
+        EmbedOptions(**options),
+        ticket=RequestTicket(deadline),
+        deadline=deadline,  # type: ignore[arg-type]
+    )
+    return outcome.vectors
+
+
+def test_concurrent_requests_share_forward_passes_and_equal_the_library(
+    engine: Engine, tiny_checkpoints: dict[str, Path]
+) -> None:
+    images = [jpeg(200 + 5 * i, 150 + 3 * i, i) for i in range(32)]
+    before = metric(engine, "vitembed_forward_passes_total")
+
+    async def run() -> list[np.ndarray]:
+        return await asyncio.gather(
+            *(embed(engine, [image], pooling="mean", normalize=True) for image in images)
+        )
+
+    rows = np.concatenate(asyncio.run(run()))
+    passes = metric(engine, "vitembed_forward_passes_total") - before
+    assert passes < 32
+    expected = load_backbone(tiny_checkpoints["dinov2"]).embed(images, pooling="mean", normalize=True)
+    np.testing.assert_allclose(rows, expected, atol=1e-5)
+
+
+def test_a_bad_image_names_its_index_and_costs_no_forward_pass(engine: Engine) -> None:
+    before = metric(engine, "vitembed_forward_passes_total")
+    good = jpeg(100, 100, 1)
+    with pytest.raises(ItemError) as failed:
+        asyncio.run(embed(engine, [good, good[: len(good) // 2], b"not an image"]))
+    assert failed.value.index == 1 and failed.value.error.code == "truncated"
+    with pytest.raises(ItemError) as failed:
+        asyncio.run(embed(engine, [good, good, b"not an image"]))
+    assert failed.value.index == 2 and failed.value.error.code == "not_an_image"
+    assert metric(engine, "vitembed_forward_passes_total") == before
+    assert asyncio.run(embed(engine, [good])).shape == (1, 32)  # the next good request works at once
+
+
+def test_options_are_checked_before_any_decoding(engine: Engine) -> None:
+    with pytest.raises(InvalidOptionError, match="unknown pooling"):
+        asyncio.run(embed(engine, [b"never decoded"], pooling="max"))
+    with pytest.raises(InvalidOptionError, match="has 2 blocks"):
+        asyncio.run(embed(engine, [b"never decoded"], layers=(7,)))
+    with pytest.raises(ModelNotFoundError, match="'other' is not served"):
+        deadline = time.monotonic() + 5
+        asyncio.run(
+            engine.embed("other", [], EmbedOptions(), ticket=RequestTicket(deadline), deadline=deadline)
+        )
+
+
+def test_token_limit_per_image(tiny_checkpoints: dict[str, Path]) -> None:
+    settings = ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}, max_tokens_per_image=20)
+    eng = Engine(settings, Metrics())
+    with pytest.raises(NotReadyError):
+        asyncio.run(embed(eng, [jpeg(64, 64, 0)]))
+    eng.start()
+    try:
+        assert asyncio.run(embed(eng, [jpeg(64, 64, 0)], policy="squash", size=(56, 56))).shape == (1, 32)
+        with pytest.raises(
+            SizeError, match="size 112x112 gives 64 patch tokens, over the server's limit of 20"
+        ):
+            asyncio.run(embed(eng, [b"never decoded"], policy="squash", size=(112, 112)))
+    finally:
+        eng.stop()
+
+
+def test_forced_bfloat16_stays_close_to_float32(tiny_checkpoints: dict[str, Path]) -> None:
+    settings = ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}, precision="bfloat16")
+    eng = Engine(settings, Metrics())
+    eng.start()
+    try:
+        label = eng.model_infos()["tiny"]["precision"]
+        assert re.fullmatch(r"bfloat16 autocast \(min cosine (0\.999\d\d|1\.00000) to float32\)", label)
+        images = [jpeg(120, 90, i) for i in range(4)]
+        low = asyncio.run(embed(eng, images, normalize=True))
+        exact = load_backbone(tiny_checkpoints["dinov2"]).embed(images, normalize=True)
+        assert float((low * exact).sum(1).min()) >= 0.999
+        assert np.abs(low - exact).max() > 1e-4  # autocast really ran in bfloat16
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize(
+    ("bf16_over_fp32", "chosen"),
+    [(0.5, "bfloat16"), (1.1, "bfloat16"), (1.3, "float32")],  # a noisy tie keeps bf16; a clear loss vetoes
+)
+def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bf16_over_fp32: float, chosen: str
+) -> None:
+    """The engine uses the shared rule (vit_backbone.precision.choose_autocast) with its timings."""
+    import vit_backbone.precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda flags=None: True)
+    real = precision_module._timed_embed
+
+    def timed(backbone: Backbone, *args: object) -> tuple[np.ndarray, float]:
+        vectors, _ = real(backbone, *args)  # type: ignore[arg-type]
+        return vectors, (bf16_over_fp32 if backbone.autocast is not None else 1.0)
+
+    monkeypatch.setattr(precision_module, "_timed_embed", timed)
+    eng = Engine(ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}), Metrics())
+    eng.start()
+    try:
+        assert eng.model_infos()["tiny"]["precision"].split(" ")[0] == chosen
+        served_autocast = eng._served["tiny"].backbone.autocast
+        assert served_autocast == (torch.bfloat16 if chosen == "bfloat16" else None)
+    finally:
+        eng.stop()
