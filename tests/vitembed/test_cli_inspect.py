@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vitembed import cli
+from vitembed.cli import main as cli
 from vitembed.cli.main import main
 
 TINY: dict[str, Any] = {
@@ -103,7 +103,7 @@ def test_inspect_standard_text(capsys: pytest.CaptureFixture[str]) -> None:
 def test_import_is_light() -> None:
     """The CLI module must not import the web framework (nor torch) at import time."""
     code = (
-        "import sys, service.cli; "
+        "import sys, vitembed.cli.main; "
         "print(','.join(m for m in ('fastapi', 'uvicorn', 'torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

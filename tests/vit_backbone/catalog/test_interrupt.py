@@ -29,7 +29,7 @@ from vit_backbone.catalog.shards import read_catalog, shard_paths
 if TYPE_CHECKING:
     from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHARD = 2
 SLOW_ROWS = 120
 WAIT_S = 90.0
