@@ -36,6 +36,7 @@ import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,6 +77,60 @@ DECODE_STATUS: Mapping[str, int] = {
     "too_many_pixels": 422,
     "aspect_ratio": 422,
 }
+
+# The registry: every error code the service answers with, and its status. A new code is one line here
+# (tests/vitembed/test_error_registry.py fails on a code the server can send that is missing) and one line in
+# the client's mapping (client/vitembed_client/errors.py; tests/client fails on a code it does not map).
+ERROR_CODES: Mapping[str, int] = MappingProxyType(
+    {
+        # 400: the body cannot be read as a request
+        "bad_request": 400,
+        "empty_body": 400,
+        "invalid_json": 400,
+        "invalid_multipart": 400,
+        "invalid_base64": 400,
+        "invalid_data_uri": 400,
+        "no_images": 400,
+        "http_error": 400,  # any other 4xx the framework raises (its status is the answer's)
+        **{code: status for code, status in DECODE_STATUS.items()},  # image bytes: 400 / 413 / 415 / 422
+        "unauthorized": 401,
+        "forbidden": 403,
+        "not_found": 404,  # unknown route
+        "model_not_found": 404,
+        "head_not_found": 404,
+        "index_not_found": 404,
+        "method_not_allowed": 405,
+        "index_changed": 409,
+        "body_too_large": 413,
+        "too_many_images": 413,
+        "unsupported_media_type": 415,
+        # 422: a well-formed request that cannot be honoured
+        "invalid_request": 422,
+        "invalid_option": 422,
+        "invalid_size": 422,
+        "dimensions_unsupported": 422,
+        "dtype_overflow": 422,
+        "heads_need_json": 422,
+        "head_required": 422,
+        "head_model_mismatch": 422,
+        "head_options_mismatch": 422,
+        "upsample_too_large": 422,
+        "mixed_sizes": 422,
+        "index_required": 422,
+        "options_mismatch": 422,
+        "model_mismatch": 422,
+        "invalid_filter": 422,
+        "invalid_vector": 422,
+        "queue_full": 429,
+        "client_closed_request": CLIENT_CLOSED,
+        "internal": 500,
+        "non_finite": 500,
+        "not_ready": 503,
+        "index_dropped": 503,
+        "replica_unavailable": 503,  # Ray Serve: the replica serving the request stopped (vitembed.ray_serve)
+        "deadline_exceeded": 504,
+    }
+)
 
 _HTTP_CODES: Mapping[int, str] = {
     400: "bad_request",
