@@ -33,7 +33,9 @@ class ServiceSettings(BaseSettings):
     max_batch_size: int = Field(8, ge=1, le=1024)  # 8 beats 32 on a 2-core CPU (cache), see README
     max_batch_tokens: int = Field(8 * 1370, ge=1)  # patch tokens (with prefix) per forward pass
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)
-    queue_size: int = Field(256, ge=1)  # images waiting for a forward pass, all models together
+    queue_size: int = Field(256, ge=1)  # images waiting for a forward pass, all models together (hard cap)
+    # admit a request only if its images are predicted to be served within this (and its own deadline)
+    queue_delay_target_s: float = Field(2.0, gt=0, le=3600)
     decode_workers: int = Field(2, ge=1, le=64)
     request_timeout_s: float = Field(30.0, gt=0)
 

@@ -1,4 +1,5 @@
-"""The dynamic batcher on its own: batch formation, admission, cancellation, failure isolation."""
+"""The dynamic batcher on its own: batch formation, the admission state it keeps exact (reserved, running,
+dropped images), cancellation, failure isolation."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from vitembed.engine.admission import AdmissionControl, ModelLoad, Reservation
 from vitembed.engine.batcher import (
-    Admission,
     CancelledWorkError,
     DeadlineExceededError,
     DynamicBatcher,
-    QueueFullError,
     RequestTicket,
     WorkItem,
 )
@@ -23,10 +23,16 @@ from vit_backbone.preprocess import Prepared
 
 
 def item(
-    value: float, ticket: RequestTicket, *, grid: tuple[int, int] = (2, 2), pooling: str = "cls"
+    value: float,
+    ticket: RequestTicket,
+    *,
+    grid: tuple[int, int] = (2, 2),
+    pooling: str = "cls",
+    reservation: Reservation | None = None,
 ) -> WorkItem:
     prepared = Prepared(torch.full((3, 28, 28), value), grid, (28, 28), "squash")
-    return WorkItem(prepared, (grid, pooling, None, False), tokens=grid[0] * grid[1] + 1, ticket=ticket)
+    key = (grid, pooling, None, False, ())
+    return WorkItem(prepared, key, tokens=grid[0] * grid[1] + 1, ticket=ticket, reservation=reservation)
 
 
 class Recorder:
@@ -49,12 +55,12 @@ class Recorder:
         return np.array(values, dtype=np.float32)[:, None]
 
 
-def make(run: Recorder, **kwargs: float) -> DynamicBatcher:
+def make(run: Recorder, load: ModelLoad | None = None, **kwargs: float) -> DynamicBatcher:
     options = {"max_batch_size": 4, "max_batch_tokens": 10_000, "max_wait_s": 0.05, **kwargs}
     return DynamicBatcher(
         "t",
         run,
-        admission=Admission(int(options.pop("capacity", 64))),
+        load=load or AdmissionControl(64, 10.0).model("t"),
         max_batch_size=int(options["max_batch_size"]),
         max_batch_tokens=int(options["max_batch_tokens"]),
         max_wait_s=float(options["max_wait_s"]),
@@ -98,22 +104,34 @@ def test_token_budget_and_keys_split_batches() -> None:
     )
 
 
-def test_full_queue_refuses_the_whole_request_at_once() -> None:
-    run = Recorder()
+def test_the_batcher_keeps_the_admission_state_exact() -> None:
+    """Admitted images count against the hard cap until their forward pass ends (or they are dropped);
+    they leave the reserved work when their pass starts, and the pass feeds the throughput estimate."""
+    control = AdmissionControl(capacity=4, target_s=10.0)
+    load = control.model("t")
+    run = Recorder(delay=0.05)
     run.gate.clear()
-    batcher = make(run, capacity=3)
+    batcher = make(run, load, max_batch_size=2, max_wait_s=0.0)
     ticket = RequestTicket(time.monotonic() + 10)
-    first = [item(1.0, ticket), item(2.0, ticket)]
-    batcher.submit(first)
-    with pytest.raises(QueueFullError) as refused:
-        batcher.submit([item(3.0, ticket), item(4.0, ticket)])
-    assert refused.value.retry_after_s >= 1.0
+    gone = RequestTicket(time.monotonic() + 10)
+    kept = load.admit(3, 5, deadline_left_s=10.0)
+    dropped = load.admit(1, 5, deadline_left_s=10.0)
+    assert (control.held, load.reserved_images) == (4, 4)
+    items = [item(float(i), ticket, reservation=kept) for i in range(3)]
+    batcher.submit(items)
+    deadline = time.monotonic() + 5
+    while load.reserved_images != 2 and time.monotonic() < deadline:  # the first batch of two has begun
+        time.sleep(0.005)
+    assert (control.held, load.reserved_images) == (4, 2)  # ... and waits at the gate
+    batcher.submit([item(9.0, gone, reservation=dropped)])
+    gone.cancel()
     run.gate.set()
-    for it in first:
-        it.future.result(5)
-    batcher.submit([item(5.0, ticket), item(6.0, ticket), item(7.0, ticket)])  # capacity freed again
+    assert [float(it.future.result(5)[0]) for it in items] == [0.0, 1.0, 2.0]
     batcher.stop()
-    assert sorted(v for b in run.batches for v in b) == [1.0, 2.0, 5.0, 6.0, 7.0]
+    assert (control.held, load.reserved_images, kept.remaining, dropped.remaining) == (0, 0, 0, 0)
+    assert [v for b in run.batches for v in b] == [0.0, 1.0, 2.0]
+    per_image = load.estimate.per_image_s(5)
+    assert per_image is not None and 0.02 < per_image < 1.0  # two passes of ~0.05 s for 3 images
 
 
 def test_cancelled_and_expired_items_never_reach_a_forward_pass() -> None:

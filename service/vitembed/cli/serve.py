@@ -24,6 +24,11 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass"),
     "--max-wait-ms": ("max_wait_ms", float, "how long a batch waits to fill (default 5)"),
     "--queue-size": ("queue_size", int, "images queued before 429 (default 256)"),
+    "--queue-delay-target-s": (
+        "queue_delay_target_s",
+        float,
+        "admit a request only if its predicted wait fits this, else 429 + Retry-After (default 2)",
+    ),
     "--decode-workers": ("decode_workers", int, "threads decoding and preprocessing (default 2)"),
     "--request-timeout-s": ("request_timeout_s", float, "per-request deadline, then 504 (default 30)"),
     "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413"),

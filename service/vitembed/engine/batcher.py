@@ -3,9 +3,10 @@
 One batcher (and one forward thread) per model. Items wait in per-key queues, the key being everything
 that must be equal inside one forward pass: the patch grid and the output options. A batch closes when it
 holds ``max_batch_size`` items, when the next item would pass the patch-token budget, or when its oldest
-item has waited ``max_wait_s``. Admission is bounded across all models: a full queue is refused at once
-(the caller answers 429) instead of growing latency without bound. Every item's future is completed on
-every path — result, exception, cancellation — so a failing batch can never strand a request.
+item has waited ``max_wait_s``. Admission happens before the batcher, in ``admission.py`` (before any
+image is decoded); the batcher tells the model's ``ModelLoad`` when a batch starts and ends, and when a
+queued item is dropped, so that the predicted wait and the hard cap stay exact. Every item's future is
+completed on every path — result, exception, cancellation — so a failing batch can never strand a request.
 """
 
 from __future__ import annotations
@@ -20,17 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vit_backbone.preprocess import Prepared
+from vitembed.engine.admission import ModelLoad, QueueFullError, Reservation
+
+__all__ = [
+    "BatchKey",
+    "CancelledWorkError",
+    "DeadlineExceededError",
+    "DynamicBatcher",
+    "QueueFullError",
+    "RequestTicket",
+    "WorkItem",
+]
 
 log = logging.getLogger(__name__)
 
 # grid, pooling, layers, normalize, heads computed from the same forward pass
 BatchKey = tuple[tuple[int, int], str, tuple[int, ...] | None, bool, tuple[str, ...]]
-
-
-class QueueFullError(Exception):
-    def __init__(self, retry_after_s: float) -> None:
-        super().__init__(f"the queue is full; retry in {retry_after_s:.1f} s")
-        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceededError(Exception):
@@ -42,10 +48,12 @@ class CancelledWorkError(Exception):
 
 
 class RequestTicket:
-    """Shared by all items of one request: cancelling it drops the items still queued."""
+    """Shared by all items of one request: cancelling it drops the items still queued. ``budget_s`` is
+    the request's whole allowance (the server's timeout, or the client's shorter one), for messages."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, budget_s: float | None = None) -> None:
         self.deadline = deadline
+        self.budget_s = budget_s
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -62,32 +70,9 @@ class WorkItem:
     key: BatchKey
     tokens: int  # sequence length of this item (patches + prefix tokens)
     ticket: RequestTicket
+    reservation: Reservation | None = None  # its request's admission (None only in tests of the batcher)
     future: Future[Any] = field(default_factory=Future)  # one row of what RunBatch returns
     enqueued: float = field(default_factory=time.monotonic)
-
-
-class Admission:
-    """A bound on queued images across all models."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._used = 0
-        self._lock = threading.Lock()
-
-    def try_acquire(self, count: int) -> bool:
-        with self._lock:
-            if self._used + count > self.capacity:
-                return False
-            self._used += count
-            return True
-
-    def release(self, count: int) -> None:
-        with self._lock:
-            self._used = max(0, self._used - count)
-
-    @property
-    def used(self) -> int:
-        return self._used
 
 
 RunBatch = Callable[[Sequence[WorkItem]], Sequence[Any]]  # -> b rows in item order (arrays, or tuples)
@@ -99,7 +84,7 @@ class DynamicBatcher:
         name: str,
         run_batch: RunBatch,
         *,
-        admission: Admission,
+        load: ModelLoad,
         max_batch_size: int,
         max_batch_tokens: int,
         max_wait_s: float,
@@ -111,7 +96,7 @@ class DynamicBatcher:
             raise ValueError("max_batch_size and max_batch_tokens must be ≥ 1 and max_wait_s ≥ 0")
         self.name = name
         self._run_batch = run_batch
-        self._admission = admission
+        self._load = load
         self._max_batch_size = max_batch_size
         self._max_batch_tokens = max_batch_tokens
         self._max_wait_s = max_wait_s
@@ -122,30 +107,22 @@ class DynamicBatcher:
         self._depth = 0
         self._cond = threading.Condition()
         self._stopping = False
-        self._busy_s = 0.0  # exponential average of one forward pass, for Retry-After
         self._thread = threading.Thread(target=self._loop, name=f"forward-{name}", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------------- producer side
     def submit(self, items: Sequence[WorkItem]) -> None:
-        """Queue all items of one request, or none of them."""
+        """Queue all items of one (admitted) request, or none of them once stopping."""
         if not items:
             return
         with self._cond:
             if self._stopping:
                 raise QueueFullError(retry_after_s=1.0)
-            if not self._admission.try_acquire(len(items)):
-                raise QueueFullError(retry_after_s=self.retry_after_s(len(items)))
             for item in items:
                 self._queues.setdefault(item.key, deque()).append(item)
             self._depth += len(items)
             self._report_depth()
             self._cond.notify()
-
-    def retry_after_s(self, count: int) -> float:
-        """Roughly how long until ``count`` places free up: the queue ahead, in forward passes."""
-        passes = (self._admission.used + count) / self._max_batch_size
-        return max(1.0, passes * max(self._busy_s, 0.05))
 
     @property
     def depth(self) -> int:
@@ -213,7 +190,8 @@ class DynamicBatcher:
                 del self._queues[key]
 
     def _finish_dropped(self, item: WorkItem, error: Exception, reason: str) -> None:
-        self._admission.release(1)
+        if item.reservation is not None:
+            item.reservation.release(1)
         if not item.future.done():
             item.future.set_exception(error)
         if self._on_drop is not None:
@@ -222,23 +200,28 @@ class DynamicBatcher:
     def _run(self, batch: list[WorkItem]) -> None:
         started = time.monotonic()
         queue_wait = started - min(item.enqueued for item in batch)
+        tokens = batch[0].tokens  # one key per batch: every item has the same grid
+        self._load.begin((item.reservation for item in batch if item.reservation is not None), tokens)
+        rows: Sequence[Any] | None = None
+        failure: Exception | None = None
         try:
             rows = self._run_batch(batch)
         except Exception as exc:  # one bad batch fails only its own requests
             log.exception("forward pass of %d item(s) on %s failed", len(batch), self.name)
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
-        else:
+            failure = exc
+        elapsed = time.monotonic() - started
+        # the images leave the admission state before their requests learn the outcome
+        self._load.end(tokens, len(batch), elapsed if rows is not None else None)
+        if rows is not None:
             for row, item in zip(rows, batch, strict=True):
                 if not item.future.done():
                     item.future.set_result(row)
-        finally:
-            self._admission.release(len(batch))
-            elapsed = time.monotonic() - started
-            self._busy_s = elapsed if self._busy_s == 0 else 0.8 * self._busy_s + 0.2 * elapsed
-            if self._on_batch is not None:
-                self._on_batch(len(batch), queue_wait, elapsed)
+        else:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(failure or RuntimeError("the forward pass failed"))
+        if self._on_batch is not None:
+            self._on_batch(len(batch), queue_wait, elapsed)
 
     def _report_depth(self) -> None:
         if self._on_depth is not None:

@@ -1,7 +1,9 @@
 """The serving engine: served backbones, the decode pool and one dynamic batcher per model.
 
-Data flow of a request: bytes → decode + preprocess (worker pool, in parallel with forward passes) →
-batcher queue → forward thread (features + pooling) → rows back in input order. The engine holds no HTTP
+Data flow of a request: admission (predicted wait, before any decoding: ``admission.py``) → bytes → decode +
+preprocess (worker pool, in parallel with forward passes) → batcher queue → forward thread (features +
+pooling) → rows back in input order. Work whose deadline passes or whose client leaves is dropped before
+it is decoded or forwarded. The engine holds no HTTP
 knowledge; the app maps its exceptions to statuses.
 """
 
@@ -27,8 +29,8 @@ from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
 from vit_backbone.pooling import check_pooling
 from vit_backbone.precision import MIN_COSINE, choose_autocast, pick_device, to_device
 from vit_backbone.preprocess import Prepared, Preprocessor, stack
+from vitembed.engine.admission import AdmissionControl, ModelLoad, Reservation
 from vitembed.engine.batcher import (
-    Admission,
     CancelledWorkError,
     DeadlineExceededError,
     DynamicBatcher,
@@ -119,6 +121,7 @@ class _Served:
     preprocessor: Preprocessor
     batcher: DynamicBatcher
     precision: str
+    load: ModelLoad
 
 
 def _warmup_images() -> list[Image.Image]:
@@ -144,7 +147,7 @@ class Engine:
             max_pixels=settings.max_image_pixels,
             max_aspect_ratio=settings.max_aspect_ratio,
         )
-        self.admission = Admission(settings.queue_size)
+        self.admission = AdmissionControl(settings.queue_size, settings.queue_delay_target_s)
         self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
         self._served: dict[str, _Served] = {}
         self._heads: dict[str, BoundHead] = {}
@@ -163,10 +166,12 @@ class Engine:
             preprocessor = Preprocessor(
                 backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=self.limits
             )
+            load = self.admission.model(name, batch_wait_s=self.settings.max_wait_ms / 1000)
+            self._seed_estimate(backbone, preprocessor, load)
             batcher = DynamicBatcher(
                 name,
                 functools.partial(self._forward, backbone),
-                admission=self.admission,
+                load=load,
                 max_batch_size=self.settings.max_batch_size,
                 max_batch_tokens=self.settings.max_batch_tokens,
                 max_wait_s=self.settings.max_wait_ms / 1000,
@@ -174,7 +179,7 @@ class Engine:
                 on_depth=self.metrics.queue_depth.labels(name).set,
                 on_drop=self._record_drop,
             )
-            self._served[name] = _Served(name, backbone, preprocessor, batcher, precision)
+            self._served[name] = _Served(name, backbone, preprocessor, batcher, precision, load)
             log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision)
         self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
         self._ready = True
@@ -198,6 +203,20 @@ class Engine:
             log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
         backbone.autocast = choice.dtype
         return choice.describe()
+
+    def _seed_estimate(self, backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad) -> None:
+        """Time one full batch at the default options, so that admission predicts waits from the first
+        request on (later forward passes keep the estimate current)."""
+        prepared = preprocessor(_warmup_images()[0], policy=backbone.check_policy(None))
+        tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
+        count = max(1, min(self.settings.max_batch_size, self.settings.max_batch_tokens // tokens))
+        pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
+        pixel_values = to_device(pixel_values, backbone.device)
+        pooling = check_pooling(backbone.defaults.pooling)
+        layers = backbone.resolve_layers(backbone.defaults.layers)
+        started = time.perf_counter()
+        backbone.pooled(pixel_values, pooling, layers)
+        load.observe(tokens, count, time.perf_counter() - started)
 
     def stop(self) -> None:
         self._ready = False
@@ -240,6 +259,10 @@ class Engine:
             raise ModelNotFoundError(f"model {model!r} is not served; served: {', '.join(self._served)}")
         return served
 
+    def load(self, model: str) -> ModelLoad:
+        """The admission state of ``model``: reserved images, the throughput estimate."""
+        return self._get(model).load
+
     def output_dim(self, model: str, options: EmbedOptions) -> int:
         served = self._get(model)
         bb = served.backbone
@@ -266,10 +289,14 @@ class Engine:
         heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
         if options.size is not None:
             self._check_size(served, policy, options.size)
-        prepared = await self._prepare_all(served, images, policy, options.size)
         head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
-        rows = await self._run(served, prepared, key_tail, ticket, deadline)
+        reservation = self._admit(served, len(images), policy, options.size, deadline)
+        try:
+            prepared = await self._prepare_all(served, images, policy, options.size, ticket)
+            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation)
+        finally:
+            reservation.release()  # whatever never reached the queue (an error, a cancellation)
         outputs = [row[1] for row in rows] if heads else []
         vectors = [row[0] for row in rows] if heads else rows
         return EmbedOutcome(
@@ -299,9 +326,14 @@ class Engine:
         inputs = bound.inputs
         if inputs.size is not None:
             self._check_size(served, inputs.policy, inputs.size)
-        prepared = await self._prepare_all(served, images, inputs.policy, inputs.size)
         layers = None if inputs.layers is None else tuple(inputs.layers)
-        rows = await self._run(served, prepared, (inputs.pooling, layers, False, (head,)), ticket, deadline)
+        reservation = self._admit(served, len(images), inputs.policy, inputs.size, deadline)
+        try:
+            prepared = await self._prepare_all(served, images, inputs.policy, inputs.size, ticket)
+            key_tail = (inputs.pooling, layers, False, (head,))
+            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation)
+        finally:
+            reservation.release()
         return ClassifyOutcome(
             head=bound,
             outputs=[row[1][head] for row in rows],
@@ -316,6 +348,7 @@ class Engine:
         key_tail: tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]],
         ticket: RequestTicket,
         deadline: float,
+        reservation: Reservation,
     ) -> list[Any]:
         """Queue one request's images for the forward thread and wait for their rows, in input order."""
         prefix = served.backbone.prefix_tokens
@@ -325,26 +358,51 @@ class Engine:
                 key=(p.grid, *key_tail),
                 tokens=p.grid[0] * p.grid[1] + prefix,
                 ticket=ticket,
+                reservation=reservation,
             )
             for p in prepared
         ]
-        try:
-            served.batcher.submit(items)
-        except QueueFullError:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise
+        served.batcher.submit(items)
         results = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))
         try:
             rows = await asyncio.wait_for(results, timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
             ticket.cancel()
-            raise DeadlineExceededError(f"no result within {self.settings.request_timeout_s:g} s") from exc
+            raise DeadlineExceededError(f"no result within {self._budget(ticket):g} s") from exc
         except BaseException:
             ticket.cancel()  # client gone or the task cancelled: drop what is still queued
             results.add_done_callback(_consume)  # nobody awaits it any more; don't log it as lost
             raise
         self.metrics.images.labels(served.name).inc(len(items))
+        self.metrics.admission_wait.labels("actual").observe(time.monotonic() - reservation.admitted_at)
         return list(rows)
+
+    def _admit(
+        self, served: _Served, count: int, policy: str, size: tuple[int, int] | None, deadline: float
+    ) -> Reservation:
+        """Reserve room for ``count`` images before any is decoded, or refuse (``QueueFullError``, 429)."""
+        tokens = self._expected_tokens(served, policy, size)
+        try:
+            reservation = served.load.admit(count, tokens, deadline - time.monotonic())
+        except QueueFullError as refused:
+            self.metrics.rejected.labels(refused.reason).inc()
+            self.metrics.admission.labels(served.name, refused.reason).inc()
+            raise
+        self.metrics.admission.labels(served.name, "admitted").inc()
+        self.metrics.admission_wait.labels("predicted").observe(reservation.predicted_wait_s)
+        return reservation
+
+    @staticmethod
+    def _expected_tokens(served: _Served, policy: str, size: tuple[int, int] | None) -> int:
+        """Tokens per image before decoding: the policy's output for a source of the model's own size
+        (exact for crop, squash and pad; the budget for dynamic)."""
+        bb = served.backbone
+        (ph, pw), (gh, gw) = bb.patch_size, bb.processing_grid
+        height, width = served.preprocessor.target_size(policy, size, (gh * ph, gw * pw))  # type: ignore[arg-type]
+        return (height // ph) * (width // pw) + bb.prefix_tokens
+
+    def _budget(self, ticket: RequestTicket) -> float:
+        return ticket.budget_s if ticket.budget_s is not None else self.settings.request_timeout_s
 
     def _check_size(self, served: _Served, policy: str, size: tuple[int, int]) -> None:
         """A size that no image can satisfy is the request's fault, not one image's: refuse it before
@@ -360,11 +418,17 @@ class Engine:
             )
 
     async def _prepare_all(
-        self, served: _Served, images: Sequence[bytes], policy: str, size: tuple[int, int] | None
+        self,
+        served: _Served,
+        images: Sequence[bytes],
+        policy: str,
+        size: tuple[int, int] | None,
+        ticket: RequestTicket,
     ) -> list[Prepared]:
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self._prepare_one, served, data, policy, size) for data in images
+            loop.run_in_executor(self._pool, self._prepare_one, served, data, policy, size, ticket)
+            for data in images
         ]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for index, result in enumerate(results):
@@ -375,8 +439,19 @@ class Engine:
         return [r for r in results if isinstance(r, Prepared)]
 
     def _prepare_one(
-        self, served: _Served, data: bytes, policy: str, size: tuple[int, int] | None
+        self,
+        served: _Served,
+        data: bytes,
+        policy: str,
+        size: tuple[int, int] | None,
+        ticket: RequestTicket,
     ) -> Prepared:
+        if ticket.cancelled:  # waited in the decode pool's queue: nothing is decoded for a lost request
+            self._record_drop("cancelled")
+            raise CancelledWorkError("the client went away")
+        if time.monotonic() > ticket.deadline:
+            self._record_drop("deadline")
+            raise DeadlineExceededError(f"no result within {self._budget(ticket):g} s")
         started = time.perf_counter()
         prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
         tokens = prepared.grid[0] * prepared.grid[1]

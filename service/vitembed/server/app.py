@@ -35,6 +35,7 @@ from vitembed.engine.engine import (
     RequestTicket,
 )
 from vitembed.server.auth import require_api_key
+from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -243,7 +244,7 @@ async def embed(
     """Embed images sent as multipart parts named ``image`` or as JSON base64; options as form fields, JSON
     fields or query parameters. ``Accept: application/x-npy`` returns one ``.npy`` array, provenance in
     ``X-Vitembed-*`` headers."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     if media_type(content_type) == "multipart/form-data":
@@ -299,7 +300,7 @@ async def embeddings(
 ) -> Response:
     """OpenAI-compatible: ``input`` is one or more ``data:image/...;base64,`` URIs; the official client's
     ``embeddings.create`` works unchanged (it asks for base64: float32 little-endian)."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     body = await read_body(request)
     if not is_json(request.headers.get("content-type")):
         raise unsupported_media_type("application/json")
@@ -383,7 +384,7 @@ async def run_engine(
     deadline: float,
 ) -> EmbedOutcome:
     """``engine.embed`` raced against the client's disconnect and the deadline (``race_client``)."""
-    ticket = RequestTicket(deadline)
+    ticket = RequestTicket(deadline, budget_s(request))
     return await race_client(
         request, ticket, engine.embed(model, images, options, ticket=ticket, deadline=deadline), deadline
     )
@@ -403,7 +404,7 @@ async def race_client(
             return work.result()
         if watcher in done:
             raise ApiError(CLIENT_CLOSED, "client_closed_request", "the client went away")
-        raise DeadlineExceededError(f"no result within {request.app.state.settings.request_timeout_s:g} s")
+        raise DeadlineExceededError(f"no result within {budget_s(request):g} s")
     finally:
         watcher.cancel()
         watcher.add_done_callback(_consume)

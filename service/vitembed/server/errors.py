@@ -19,12 +19,17 @@ wrong Content-Type, image ``unsupported_format``                  415
 options that cannot be honoured (pooling, layers, size, policy,   422
 dtype...), image ``too_many_pixels`` or ``aspect_ratio`` (a
 well-formed image that exceeds a limit), request validation
-admission queue full (``Retry-After``: whole seconds, ≥ 1)        429
+refused at admission, before decoding (``Retry-After``: whole    429
+seconds, ≥ 1): ``queue_full`` (the hard cap in images),
+``overloaded`` (predicted wait over the queue-delay target),
+``deadline_too_short`` (predicted wait over the request's own
+deadline, e.g. a short ``X-Request-Timeout``)
 client closed the connection before the answer (never seen by     499
 the client; counted in the metrics)
 internal error, model output not finite (``non_finite``)          500
 models loading or a model worker stopped                          503
-request deadline (``request_timeout_s``) passed                    504
+request deadline (``request_timeout_s`` or ``X-Request-Timeout``) 504
+passed
 =============================================================  ======
 """
 
@@ -46,6 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vit_backbone.errors import ImageDecodeError, InvalidOptionError, ModelNotFoundError, VitEmbedError
+from vitembed.engine.admission import DEADLINE, QUEUE_DELAY, QUEUE_FULL
 from vitembed.engine.engine import (
     CancelledWorkError,
     DeadlineExceededError,
@@ -268,14 +274,36 @@ async def _item_error(request: Request, exc: Exception) -> Response:
     return _library_error(request, exc.error, exc.index)
 
 
+# admission refusals (QueueFullError.reason) -> the error code clients see with 429 + Retry-After
+ADMISSION_CODES: Mapping[str, str] = {
+    QUEUE_FULL: "queue_full",
+    QUEUE_DELAY: "overloaded",
+    DEADLINE: "deadline_too_short",
+}
+
+
+def admission_message(exc: QueueFullError, seconds: int) -> str:
+    if exc.reason == QUEUE_DELAY:
+        return (
+            f"the server is overloaded: the predicted wait ({exc.predicted_wait_s:.1f} s) is over its "
+            f"queue-delay target ({exc.limit_s:g} s); retry in {seconds} s"
+        )
+    if exc.reason == DEADLINE:
+        return (
+            f"the predicted wait ({exc.predicted_wait_s:.1f} s) is longer than the request's deadline "
+            f"({exc.limit_s:.3g} s); retry in {seconds} s or allow more time"
+        )
+    return f"the server is at capacity; retry in {seconds} s"
+
+
 async def _queue_full(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, QueueFullError)
     seconds = max(1, math.ceil(exc.retry_after_s))
     return error_response(
         request.scope,
         429,
-        "queue_full",
-        f"the server is at capacity; retry in {seconds} s",
+        ADMISSION_CODES.get(exc.reason, "queue_full"),
+        admission_message(exc, seconds),
         headers={"Retry-After": str(seconds)},
     )
 

@@ -52,5 +52,19 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.admission = Counter(
+            "vitembed_admission_total",
+            "requests at admission, by model and outcome: admitted, queue_full, queue_delay, deadline",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.admission_wait = Histogram(
+            "vitembed_admission_wait_seconds",
+            "admitted requests: the wait predicted at admission and the actual one (admission to last row)",
+            ["kind"],
+            buckets=(*_LATENCY_BUCKETS, 20.0, 30.0, 60.0),
+            registry=self.registry,
+        )
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

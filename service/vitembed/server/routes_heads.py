@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -41,6 +40,7 @@ from vitembed.server.app import (
     wants_npy,
 )
 from vitembed.server.auth import require_api_key
+from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import ApiError
 from vitembed.server.schemas import (
     is_json,
@@ -139,7 +139,7 @@ async def classify(
     metrics: MetricsDep,
 ) -> Response:
     """Top-k labels with probabilities per image (classifier heads), or class-id grids (patch heads)."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     limit = settings.max_images_per_request
@@ -157,7 +157,7 @@ async def classify(
     patch = bound.card.kind == "patch"
     if options.upsample and not patch:
         raise InvalidOptionError(f"upsample applies to patch heads; {name!r} is a {bound.card.kind} head")
-    ticket = RequestTicket(deadline)
+    ticket = RequestTicket(deadline, budget_s(request))
     outcome = await race_client(
         request, ticket, engine.classify(name, images, ticket=ticket, deadline=deadline), deadline
     )

@@ -49,6 +49,7 @@ from vitembed.server.app import (
     unsupported_media_type,
 )
 from vitembed.server.auth import require_api_key
+from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import ApiError
 from vitembed.server.schemas import (
     check_image_count,
@@ -325,7 +326,7 @@ async def run_search_work(request: Request, func: Callable[[], T], deadline: flo
     try:
         return await asyncio.wait_for(future, timeout=max(0.0, deadline - time.monotonic()))
     except TimeoutError as exc:
-        timeout = request.app.state.settings.request_timeout_s
+        timeout = budget_s(request)
         raise DeadlineExceededError(f"no result within {timeout:g} s") from exc
 
 
@@ -385,7 +386,7 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
     ``{"images": [{"base64"}]}``, a ``data:`` URI prefix tolerated) or a query vector (JSON
     ``{"vector": [...]}``, L2-normalised for a cosine or normalized index); ``index``, ``k``, ``where`` and
     ``nprobes`` as form or JSON fields. Images are embedded with the options the index was built with."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     vector: list[float] | None = None

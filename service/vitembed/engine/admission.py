@@ -1,0 +1,269 @@
+"""Admission by predicted wait: say no early and cheaply, before any image is decoded.
+
+A request is admitted when its images can be served within the queue-delay target (never beyond the
+request's own deadline), predicted from the work already ahead of it on its model and the measured cost
+of one image at its token count. Otherwise it is refused at once with the time after which it would fit
+(``Retry-After``). The queue bound in images stays as a hard cap across all models.
+
+The rule (``decide``) is a pure function of numbers, so it is tested on injected estimates; the state
+around it (``AdmissionControl``: images reserved per model, the batch in flight, recent forward passes)
+lives in the same module and is driven by the engine (admit) and the batchers (begin, end, drop).
+
+Fairness between callers: admission counts images, so a 64-image request costs 64 times a single one. A
+request whose own work exceeds half the target is charged half the target: it is admitted only while the
+queue ahead of it is at most half full, so large requests cannot take the whole queue from single-image
+callers, and a request larger than the target can still be served.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ADMITTED = "admitted"
+QUEUE_FULL = "queue_full"  # the hard cap in images
+QUEUE_DELAY = "queue_delay"  # the predicted wait passes the queue-delay target
+DEADLINE = "deadline"  # the predicted wait passes the request's own (shorter) deadline
+REASONS = (QUEUE_FULL, QUEUE_DELAY, DEADLINE)
+
+ESTIMATE_WINDOW = 32  # forward passes per token count that the throughput estimate remembers
+ESTIMATE_KEYS = 64  # token counts remembered per model (least recently observed forgotten first)
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    reason: str  # ADMITTED or one of REASONS
+    predicted_wait_s: float  # from now until the request's last image is done, if admitted now
+    retry_after_s: float  # when refused: how long until it would fit (0 when admitted)
+    limit_s: float  # the wait the request was allowed: min(target, its deadline)
+
+
+def decide(
+    *,
+    images: int,
+    per_image_s: float,
+    ahead_s: float,
+    held_images: int,
+    capacity_images: int,
+    target_s: float,
+    deadline_left_s: float,
+    batch_wait_s: float = 0.0,
+) -> Decision:
+    """Admit ``images`` or refuse them, from injected numbers.
+
+    ``per_image_s``: the measured forward cost of one of these images (0 when nothing is measured yet:
+    only the hard cap applies); ``ahead_s``: predicted seconds of work queued or running before them on
+    their model; ``held_images``: images queued or running on all models (the hard cap's count);
+    ``batch_wait_s``: how long a batch may wait to fill.
+    """
+    own_s = images * per_image_s
+    predicted = batch_wait_s + ahead_s + own_s  # the batch timer counts here, not against the target
+    limit = min(target_s, deadline_left_s)
+    if held_images + images > capacity_images:
+        excess = held_images + images - capacity_images
+        return Decision(False, QUEUE_FULL, predicted, excess * per_image_s, limit)
+    if ahead_s <= 0.0:  # an idle model takes whatever the hard cap allows; its deadline decides the rest
+        return Decision(True, ADMITTED, predicted, 0.0, limit)
+    charged = ahead_s + min(own_s, target_s / 2)
+    if charged > target_s:
+        return Decision(False, QUEUE_DELAY, predicted, charged - target_s, limit)
+    if predicted > deadline_left_s:
+        return Decision(False, DEADLINE, predicted, predicted - deadline_left_s, limit)
+    return Decision(True, ADMITTED, predicted, 0.0, limit)
+
+
+class ThroughputEstimate:
+    """Seconds per image of one model, per token count, from its recent forward passes: the window's
+    total seconds over its total images (full batches weigh more than lone images, and one slow pass is
+    diluted). A token count never measured is scaled linearly from the nearest one measured."""
+
+    def __init__(self, window: int = ESTIMATE_WINDOW) -> None:
+        self._window = window
+        self._passes: dict[int, deque[tuple[int, float]]] = {}  # tokens -> (images, seconds)
+
+    def observe(self, tokens: int, images: int, seconds: float) -> None:
+        if images < 1 or seconds < 0:
+            return
+        passes = self._passes.pop(tokens, None) or deque(maxlen=self._window)
+        passes.append((images, seconds))
+        self._passes[tokens] = passes  # re-inserted: the dict's order is least recently observed first
+        while len(self._passes) > ESTIMATE_KEYS:
+            del self._passes[next(iter(self._passes))]
+
+    def per_image_s(self, tokens: int) -> float | None:
+        passes = self._passes.get(tokens)
+        if passes:
+            return sum(s for _, s in passes) / sum(n for n, _ in passes)
+        if not self._passes:
+            return None
+        nearest = min(self._passes, key=lambda known: abs(known - tokens))
+        known = self.per_image_s(nearest)
+        return None if known is None else known * tokens / max(1, nearest)
+
+
+class QueueFullError(Exception):
+    """Refused at admission; ``reason`` is one of ``REASONS``, ``retry_after_s`` when it would fit."""
+
+    def __init__(
+        self,
+        retry_after_s: float,
+        *,
+        reason: str = QUEUE_FULL,
+        predicted_wait_s: float = 0.0,
+        limit_s: float = 0.0,
+    ) -> None:
+        super().__init__(f"refused ({reason}); retry in {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+        self.predicted_wait_s = predicted_wait_s
+        self.limit_s = limit_s
+
+
+class Reservation:
+    """The images of one admitted request that have not yet reached a forward pass."""
+
+    def __init__(self, load: ModelLoad, tokens: int, images: int, predicted_wait_s: float) -> None:
+        self.load = load
+        self.tokens = tokens
+        self.remaining = images
+        self.predicted_wait_s = predicted_wait_s
+        self.admitted_at = time.monotonic()
+
+    def release(self, count: int | None = None) -> None:
+        """``count`` images (all remaining by default) leave without a forward pass: dropped or failed."""
+        self.load.release(self, self.remaining if count is None else count)
+
+
+class ModelLoad:
+    """One model's share of the admission state: images reserved (admitted, being decoded or queued),
+    the batch in flight, and the throughput estimate. All methods are thread-safe."""
+
+    def __init__(self, control: AdmissionControl, name: str, batch_wait_s: float) -> None:
+        self._control = control
+        self.name = name
+        self.batch_wait_s = batch_wait_s
+        self.estimate = ThroughputEstimate()
+        self._reserved: Counter[int] = Counter()  # expected tokens -> images
+        self._running = 0  # images in the forward pass now
+        self._running_s = 0.0  # its predicted duration
+        self._running_since = 0.0
+
+    # ------------------------------------------------------------------ the request side
+    def admit(self, images: int, tokens: int, deadline_left_s: float) -> Reservation:
+        """Reserve ``images`` of ``tokens`` tokens each, or raise ``QueueFullError`` with the reason."""
+        control = self._control
+        with control.lock:
+            per_image = self.estimate.per_image_s(tokens) or 0.0
+            decision = decide(
+                images=images,
+                per_image_s=per_image,
+                ahead_s=self._ahead_s(),
+                held_images=control.held,
+                capacity_images=control.capacity,
+                target_s=control.target_s,
+                deadline_left_s=deadline_left_s,
+                batch_wait_s=self.batch_wait_s,
+            )
+            if not decision.admitted:
+                raise QueueFullError(
+                    decision.retry_after_s,
+                    reason=decision.reason,
+                    predicted_wait_s=decision.predicted_wait_s,
+                    limit_s=decision.limit_s,
+                )
+            self._reserved[tokens] += images
+            control.held += images
+            return Reservation(self, tokens, images, decision.predicted_wait_s)
+
+    def _ahead_s(self) -> float:
+        """Predicted seconds until work admitted now could start (caller holds the lock)."""
+        ahead = 0.0
+        for tokens, count in self._reserved.items():
+            ahead += count * (self.estimate.per_image_s(tokens) or 0.0)
+        if self._running:
+            elapsed = time.monotonic() - self._running_since
+            ahead += max(self._running_s - elapsed, 0.0)
+        return ahead
+
+    def predicted_wait_s(self, images: int, tokens: int) -> float:
+        with self._control.lock:
+            per_image = self.estimate.per_image_s(tokens) or 0.0
+            return self.batch_wait_s + self._ahead_s() + images * per_image
+
+    def release(self, reservation: Reservation, count: int) -> None:
+        with self._control.lock:
+            count = min(count, reservation.remaining)
+            if count <= 0:
+                return
+            reservation.remaining -= count
+            self._take(reservation.tokens, count)
+            self._control.held -= count
+
+    # ------------------------------------------------------------------ the forward thread's side
+    def begin(self, reservations: Iterable[Reservation], tokens: int) -> None:
+        """A batch starts: its images move from reserved to running."""
+        with self._control.lock:
+            count = 0
+            for reservation in reservations:
+                if reservation.remaining > 0:
+                    reservation.remaining -= 1
+                    self._take(reservation.tokens, 1)
+                    count += 1
+            self._running = count
+            self._running_s = count * (self.estimate.per_image_s(tokens) or 0.0)
+            self._running_since = time.monotonic()
+
+    def observe(self, tokens: int, images: int, seconds: float) -> None:
+        """A forward pass timed outside the queue (the start-up measurement)."""
+        with self._control.lock:
+            self.estimate.observe(tokens, images, seconds)
+
+    def end(self, tokens: int, images: int, seconds: float | None) -> None:
+        """The batch is done: its images leave the hard cap; a pass that succeeded (``seconds`` given)
+        joins the throughput estimate."""
+        with self._control.lock:
+            if seconds is not None:
+                self.estimate.observe(tokens, images, seconds)
+            self._control.held -= self._running
+            self._running = 0
+            self._running_s = 0.0
+
+    def _take(self, tokens: int, count: int) -> None:
+        left = self._reserved[tokens] - count
+        if left > 0:
+            self._reserved[tokens] = left
+        else:
+            del self._reserved[tokens]
+
+    @property
+    def reserved_images(self) -> int:
+        with self._control.lock:
+            return sum(self._reserved.values())
+
+
+class AdmissionControl:
+    """The hard cap in images across all models, the queue-delay target, and one ``ModelLoad`` each."""
+
+    def __init__(self, capacity: int, target_s: float) -> None:
+        if capacity < 1 or target_s <= 0:
+            raise ValueError("the admission capacity must be ≥ 1 image and the target > 0 s")
+        self.capacity = capacity
+        self.target_s = target_s
+        self.lock = threading.Lock()
+        self.held = 0  # images reserved or running, all models
+        self._loads: dict[str, ModelLoad] = {}
+
+    def model(self, name: str, *, batch_wait_s: float = 0.0) -> ModelLoad:
+        with self.lock:
+            load = self._loads.get(name)
+            if load is None:
+                load = self._loads[name] = ModelLoad(self, name, batch_wait_s)
+            return load
+
+    @property
+    def used(self) -> int:
+        return self.held

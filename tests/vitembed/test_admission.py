@@ -1,0 +1,142 @@
+"""Admission by predicted wait, on injected throughput estimates: which request is admitted, which is
+refused and why, and which ``Retry-After`` it gets (deterministic: no clocks, no forward passes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from vitembed.engine.admission import (
+    ADMITTED,
+    DEADLINE,
+    QUEUE_DELAY,
+    QUEUE_FULL,
+    AdmissionControl,
+    Decision,
+    QueueFullError,
+    ThroughputEstimate,
+    decide,
+)
+
+
+def rule(**overrides: float) -> Decision:
+    numbers: dict[str, float] = {
+        "images": 1,
+        "per_image_s": 0.125,
+        "ahead_s": 0.0,
+        "held_images": 0,
+        "capacity_images": 256,
+        "target_s": 2.0,
+        "deadline_left_s": 30.0,
+        **overrides,
+    }
+    return decide(
+        images=int(numbers["images"]),
+        per_image_s=numbers["per_image_s"],
+        ahead_s=numbers["ahead_s"],
+        held_images=int(numbers["held_images"]),
+        capacity_images=int(numbers["capacity_images"]),
+        target_s=numbers["target_s"],
+        deadline_left_s=numbers["deadline_left_s"],
+        batch_wait_s=numbers.get("batch_wait_s", 0.0),
+    )
+
+
+def retry_after_header(decision: Decision) -> int:
+    """What the HTTP layer sends: whole seconds, at least 1."""
+    return max(1, math.ceil(decision.retry_after_s))
+
+
+def test_single_images_fill_the_queue_up_to_the_target_and_no_further() -> None:
+    assert rule(ahead_s=1.875) == Decision(True, ADMITTED, 2.0, 0.0, 2.0)  # ends exactly at the target
+    refused = rule(ahead_s=2.0)
+    assert refused == Decision(False, QUEUE_DELAY, 2.125, 0.125, 2.0)
+    assert retry_after_header(refused) == 1
+    far = rule(ahead_s=5.25)  # 3.375 s of work must drain first
+    assert (far.reason, far.retry_after_s, retry_after_header(far)) == (QUEUE_DELAY, 3.375, 4)
+
+
+def test_an_idle_model_admits_any_request_the_hard_cap_allows() -> None:
+    big = rule(images=64, per_image_s=0.25)  # 16 s of its own work, far over the 2 s target
+    assert big == Decision(True, ADMITTED, 16.0, 0.0, 2.0)
+    assert rule(images=64, held_images=200, capacity_images=256).reason == QUEUE_FULL
+
+
+def test_large_requests_are_charged_half_the_target_so_they_cannot_take_the_whole_queue() -> None:
+    # 64 images x 0.125 s = 8 s of work: admitted only while at most half the target (1 s) is queued ahead
+    assert rule(images=64, ahead_s=1.0) == Decision(True, ADMITTED, 9.0, 0.0, 2.0)
+    refused = rule(images=64, ahead_s=1.25)
+    assert refused == Decision(False, QUEUE_DELAY, 9.25, 0.25, 2.0)
+    # single images still get in up to the full target, behind it
+    assert rule(ahead_s=1.875).admitted and not rule(images=64, ahead_s=1.875).admitted
+
+
+def test_the_hard_cap_in_images_refuses_with_the_time_to_drain_the_excess() -> None:
+    refused = rule(images=8, held_images=250, capacity_images=256, ahead_s=0.5)
+    assert refused == Decision(False, QUEUE_FULL, 1.5, 0.25, 2.0)  # 2 images too many x 0.125 s
+    assert retry_after_header(refused) == 1
+    assert rule(images=6, held_images=250, capacity_images=256, ahead_s=0.5).admitted
+
+
+def test_a_request_whose_own_deadline_is_shorter_than_the_wait_is_refused() -> None:
+    assert rule(ahead_s=1.0, deadline_left_s=1.125).admitted
+    refused = rule(ahead_s=1.0, deadline_left_s=0.5)  # within the 2 s target, past the client's 0.5 s
+    assert refused == Decision(False, DEADLINE, 1.125, 0.625, 0.5)
+    assert retry_after_header(refused) == 1
+    # the batch timer counts towards the deadline, not towards the target
+    assert rule(ahead_s=1.0, batch_wait_s=0.875, deadline_left_s=30.0).admitted
+    timed = rule(ahead_s=1.0, batch_wait_s=0.875, deadline_left_s=1.5)
+    assert (timed.reason, timed.predicted_wait_s, timed.retry_after_s) == (DEADLINE, 2.0, 0.5)
+
+
+def test_without_a_measurement_only_the_hard_cap_applies() -> None:
+    assert rule(per_image_s=0.0, ahead_s=0.0, images=64, held_images=192).admitted
+    assert rule(per_image_s=0.0, images=64, held_images=193).reason == QUEUE_FULL
+
+
+def test_the_model_load_admits_in_order_and_refuses_with_retry_after() -> None:
+    """Eight single images of 0.125 s fill a 1 s target; the ninth is told to come back in 0.125 s; a
+    dropped image frees its place; a request of another size is priced by the nearest measurement."""
+    control = AdmissionControl(capacity=16, target_s=1.0)
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image of 100 tokens
+    admitted = [load.admit(1, 100, deadline_left_s=30.0) for _ in range(8)]
+    assert [r.predicted_wait_s for r in admitted] == [0.125 * (i + 1) for i in range(8)]
+    with pytest.raises(QueueFullError) as refused:
+        load.admit(1, 100, deadline_left_s=30.0)
+    assert (refused.value.reason, refused.value.retry_after_s, refused.value.predicted_wait_s) == (
+        QUEUE_DELAY,
+        0.125,
+        1.125,
+    )
+    assert control.held == 8
+    admitted[3].release(1)  # dropped before its forward pass
+    assert control.held == 7 and load.admit(1, 100, deadline_left_s=30.0).predicted_wait_s == 1.0
+    with pytest.raises(QueueFullError) as doubled:  # 200 tokens: 0.25 s per image, scaled from 100
+        load.admit(1, 200, deadline_left_s=30.0)
+    assert (doubled.value.reason, doubled.value.retry_after_s) == (QUEUE_DELAY, 0.25)
+
+
+def test_the_hard_cap_is_shared_by_all_models() -> None:
+    control = AdmissionControl(capacity=4, target_s=100.0)
+    first, second = control.model("a"), control.model("b")
+    first.admit(3, 10, deadline_left_s=30.0)
+    with pytest.raises(QueueFullError) as refused:
+        second.admit(2, 10, deadline_left_s=30.0)
+    assert refused.value.reason == QUEUE_FULL
+    second.admit(1, 10, deadline_left_s=30.0)
+    assert control.held == 4
+
+
+def test_the_throughput_estimate_follows_recent_passes() -> None:
+    estimate = ThroughputEstimate(window=4)
+    assert estimate.per_image_s(100) is None
+    estimate.observe(100, 1, 0.5)  # a lone image after a quiet spell
+    estimate.observe(100, 8, 1.5)
+    assert estimate.per_image_s(100) == 2.0 / 9  # full batches weigh by their images
+    for _ in range(4):  # the window forgets the oldest passes
+        estimate.observe(100, 8, 1.0)
+    assert estimate.per_image_s(100) == 0.125
+    assert estimate.per_image_s(300) == 0.375  # never measured: scaled from the nearest token count
+    estimate.observe(300, 2, 1.0)
+    assert estimate.per_image_s(300) == 0.5 and estimate.per_image_s(250) == 0.5 * 250 / 300
