@@ -127,7 +127,11 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "model_mismatch": 422,
         "invalid_filter": 422,
         "invalid_vector": 422,
-        "queue_full": 429,
+        "invalid_timeout": 422,  # X-Request-Timeout is not a positive number of seconds
+        # 429: refused at admission, before decoding, with Retry-After (engine/admission.py)
+        "queue_full": 429,  # the hard cap in images
+        "overloaded": 429,  # the predicted wait passes the queue-delay target
+        "deadline_too_short": 429,  # the predicted wait passes the request's own deadline
         "client_closed_request": CLIENT_CLOSED,
         "internal": 500,
         "non_finite": 500,

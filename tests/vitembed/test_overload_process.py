@@ -1,0 +1,131 @@
+"""Overload against a real ``vitembed serve`` process on 127.0.0.1: a flood far above capacity is answered
+with 429s carrying ``Retry-After`` while every admitted request finishes before its deadline (no 504, no
+5xx), and a client's shorter deadline (``X-Request-Timeout``) is honoured.
+
+The model is the tiny DINOv2 asked for 896x896 inputs (4096 patch tokens, ~0.1 s per image on one
+thread), so that a few dozen client threads are far above its capacity. Margins are wide: this VM's speed
+drifts by tens of percent and other processes share its cores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from test_server_process import ServerProcess, error_of, start_server, wait_for
+
+if TYPE_CHECKING:  # fixtures' types (tests/vitembed/conftest.py)
+    from conftest import Images
+
+TIMEOUT_S = 10.0  # the server's request deadline
+TARGET_S = 1.0  # its queue-delay target
+FLOOD_S = 4.0
+CLIENTS = 32
+BIG = {"size": "896,896", "policy": "squash"}  # 64 x 64 = 4096 patch tokens per image
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    seconds: float
+    retry_after: str | None
+    code: str | None
+
+
+@pytest.fixture(scope="module")
+def flood_server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(
+        tiny_path,
+        tmp_path_factory.mktemp("serve-overload"),
+        "--queue-delay-target-s", str(TARGET_S),
+        "--request-timeout-s", str(TIMEOUT_S),
+        "--max-wait-ms", "5",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def flood(server: ServerProcess, data: bytes, clients: int, seconds: float) -> list[Answer]:
+    """``clients`` threads, one connection each, posting back to back (Retry-After ignored)."""
+    answers: list[Answer] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+    start = threading.Barrier(clients)
+
+    def client() -> None:
+        with server.client(timeout=TIMEOUT_S + 20) as http:
+            start.wait(30)
+            while time.monotonic() < stop_at:
+                began = time.monotonic()
+                response = http.post("/v1/embed", files={"image": data}, data=BIG)
+                code = error_of(response)["code"] if response.status_code != 200 else None
+                answer = Answer(
+                    response.status_code, time.monotonic() - began, response.headers.get("retry-after"), code
+                )
+                with lock:
+                    answers.append(answer)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + TIMEOUT_S + 30)
+    return answers
+
+
+def test_a_flood_far_above_capacity_gets_429s_and_admitted_requests_finish_in_time(
+    flood_server: ServerProcess, images: Images
+) -> None:
+    data = images.jpeg(64, 64, 7)
+    answers = flood(flood_server, data, CLIENTS, FLOOD_S)
+    statuses = sorted({a.status for a in answers})
+    assert set(statuses) <= {200, 429}, statuses  # no 504, no 5xx
+    ok = [a for a in answers if a.status == 200]
+    refused = [a for a in answers if a.status == 429]
+    assert ok and len(refused) > len(ok), (len(ok), len(refused))
+    for answer in refused:
+        assert answer.retry_after is not None and answer.retry_after.isdigit(), answer
+        assert int(answer.retry_after) >= 1
+        assert answer.code in {"overloaded", "queue_full"}, answer
+    # every admitted request finished well before its deadline (expected: about the target + one batch)
+    assert max(a.seconds for a in ok) < TIMEOUT_S, sorted(a.seconds for a in ok)[-5:]
+    admitted = flood_server.metric("vitembed_admission_total", outcome="admitted")
+    assert admitted >= len(ok)
+    assert flood_server.metric("vitembed_rejected_total", reason="deadline") == 0
+    with flood_server.client() as client:  # and it is at once available again
+        assert client.get("/ready").status_code == 200
+        began = time.monotonic()
+        after = client.post("/v1/embed", files={"image": data}, data=BIG)
+        assert after.status_code == 200, after.text
+        assert time.monotonic() - began < TIMEOUT_S / 2
+
+
+def test_a_client_deadline_shorter_than_the_batch_timer_is_honoured(
+    tiny_path: Path, tmp_path_factory: pytest.TempPathFactory, images: Images
+) -> None:
+    """A batch waits 3 s to fill; a request allowing 0.5 s is answered 504 after about 0.5 s and its
+    queued image never reaches a forward pass."""
+    server = start_server(tiny_path, tmp_path_factory.mktemp("serve-deadline"), "--max-wait-ms", "3000")
+    try:
+        passes_before = server.metric("vitembed_forward_passes_total", model="tiny")
+        with server.client() as client:
+            began = time.monotonic()
+            response = client.post(
+                "/v1/embed", files={"image": images.jpeg()}, headers={"X-Request-Timeout": "0.5"}
+            )
+            took = time.monotonic() - began
+        assert response.status_code == 504, response.text
+        assert error_of(response) == {"code": "deadline_exceeded", "message": "no result within 0.5 s"}
+        assert 0.45 < took < 2.5, took  # not the 3 s timer, nor the server's 30 s deadline
+        # when the batch timer fires, the abandoned image is dropped instead of forwarded
+        wait_for(lambda: server.metric("vitembed_rejected_total", reason="cancelled") == 1, 15, "the drop")
+        assert server.metric("vitembed_forward_passes_total", model="tiny") == passes_before
+        with server.client() as client:
+            assert client.post("/v1/embed", files={"image": images.jpeg()}).status_code == 200
+    finally:
+        server.stop()
