@@ -39,7 +39,7 @@ class AsyncClient:
         self._http = httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout,
-            headers=base_headers(api_key),
+            headers=base_headers(api_key, timeout),
             limits=limits,
             transport=transport,
             trust_env=False,

@@ -23,10 +23,15 @@ from .retry import RetryPolicy, next_wait
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def base_headers(api_key: str | None) -> dict[str, str]:
+def base_headers(api_key: str | None, timeout: float | httpx.Timeout) -> dict[str, str]:
+    """Every request's headers: the bearer token, and ``X-Request-Timeout`` (the server drops work this
+    client will not wait for, and refuses at once what it cannot finish in time)."""
     headers = {"User-Agent": p.USER_AGENT}
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key}"
+    seconds = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+    if seconds is not None:
+        headers["X-Request-Timeout"] = f"{float(seconds):g}"
     return headers
 
 
@@ -68,7 +73,7 @@ class Client:
         self._http = httpx.Client(
             base_url=base_url,
             timeout=timeout,
-            headers=base_headers(api_key),
+            headers=base_headers(api_key, timeout),
             limits=limits,
             transport=transport,
             trust_env=False,

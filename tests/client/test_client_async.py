@@ -9,7 +9,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import API_KEY, FLOOD_IMAGES, ServerProcess
+from clientserver import API_KEY, FLOOD_IMAGES, ServerProcess
 from vitembed_client import AsyncClient, MalformedImageError, NotFoundError, RetryPolicy
 
 from vit_backbone import Backbone

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import API_KEY, FLOOD_IMAGES, ServerProcess
+from clientserver import API_KEY, FLOOD_IMAGES, ServerProcess
 from PIL import Image
 from vitembed_client import (
     AuthenticationError,
