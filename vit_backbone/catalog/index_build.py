@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from vit_backbone.catalog.index_defaults import DEFAULT_ANN_THRESHOLD
+from vit_backbone.catalog.item_images import IMAGES_META_KEY, catalog_image_source
 from vit_backbone.catalog.meta import META_KEY, CatalogMeta
 from vit_backbone.catalog.shard_stream import iter_shards, plan_catalog
 from vit_backbone.errors import InvalidOptionError, MissingExtraError, VitEmbedError
@@ -187,8 +188,10 @@ def arrow_rows(
     extra: Mapping[str, Sequence[str | None]],
     meta: CatalogMeta,
     options: IndexOptions,
+    images: bytes | None = None,
 ) -> Any:
-    """The table's rows as an Arrow table, with the vitembed schema metadata."""
+    """The table's rows as an Arrow table, with the vitembed schema metadata (``images``: where the
+    catalog's image files are, ``item_images.ImageSource`` JSON, kept so the server can show them)."""
     pa = _pa()
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # [N, D]
     if vectors.ndim != 2 or vectors.shape != (len(ids), meta.dim):
@@ -206,9 +209,10 @@ def arrow_rows(
         pa.field("vector", pa.list_(pa.float32(), meta.dim)),
         *(pa.field(name, pa.string()) for name in extra),
     ]
-    schema = pa.schema(
-        fields, metadata={META_KEY: meta.to_json().encode(), INDEX_META_KEY: options.to_json().encode()}
-    )
+    metadata = {META_KEY: meta.to_json().encode(), INDEX_META_KEY: options.to_json().encode()}
+    if images:
+        metadata[IMAGES_META_KEY] = images
+    schema = pa.schema(fields, metadata=metadata)
     columns = [
         pa.array(list(ids), type=pa.string()),
         pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), meta.dim),  # [N * D] -> [N][D]
@@ -269,11 +273,13 @@ def build_index(
     options = IndexOptions(metric=metric, ann_threshold=ann_threshold)
     if not plan.rows:
         raise IndexStoreError("no rows to index")
+    source = catalog_image_source(Path(catalog_dir))
+    images = None if source is None else source.to_json().encode()
     table: Any = None
     for shard in iter_shards(plan):
         if not shard.ids:
             continue
-        rows = arrow_rows(shard.ids, shard.vectors, shard.extra, plan.meta, options)
+        rows = arrow_rows(shard.ids, shard.vectors, shard.extra, plan.meta, options, images)
         if table is None:
             table = _new_table(db, name, rows, overwrite=overwrite)
         else:
@@ -307,12 +313,13 @@ def add_catalog(catalog_dir: Path, db: Path | str, name: str) -> IndexReport:
             f"(it has {columns}); rebuild the table with `vitembed index build --overwrite`"
         )
     inserted = updated = 0
+    images = (table.schema.metadata or {}).get(IMAGES_META_KEY)  # the table keeps its own catalog's source
     for shard in iter_shards(plan):
         if not shard.ids:
             continue
         missing: list[str | None] = [None] * len(shard.ids)
         extra: dict[str, Sequence[str | None]] = {c: shard.extra.get(c, missing) for c in columns}
-        rows = arrow_rows(shard.ids, shard.vectors, extra, meta, options)
+        rows = arrow_rows(shard.ids, shard.vectors, extra, meta, options, images)
         result = (
             table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(rows)
         )
@@ -348,7 +355,7 @@ def delete_rows(
             raise InvalidFilterError(filter_message(exc)) from exc
     for start in range(0, len(ids), _DELETE_CHUNK):
         try:
-            table.delete(_ids_predicate(ids[start : start + _DELETE_CHUNK]))
+            table.delete(ids_predicate(ids[start : start + _DELETE_CHUNK]))
         except (ValueError, RuntimeError) as exc:  # our own predicate: never the user's fault
             raise IndexStoreError(f"deleting ids from table {name!r} failed: {exc}") from exc
     after = table.count_rows()
@@ -374,7 +381,7 @@ def check_where(where: str) -> str:
     return where
 
 
-def _ids_predicate(ids: Sequence[str]) -> str:
+def ids_predicate(ids: Sequence[str]) -> str:
     quoted = ", ".join("'" + value.replace("'", "''") + "'" for value in ids)  # SQL string literals
     return f"id IN ({quoted})"
 

@@ -43,9 +43,11 @@ from vit_backbone.catalog.index_build import (
     extra_columns,
     filter_message,
     has_ann,
+    ids_predicate,
     open_table,
     read_table_meta,
 )
+from vit_backbone.catalog.item_images import IMAGES_META_KEY, ImageSource
 from vit_backbone.catalog.meta import META_KEY, CatalogMeta
 from vit_backbone.errors import InvalidOptionError, VitEmbedError
 
@@ -184,6 +186,15 @@ class SimilarityIndex:
 
     def has_ann(self) -> bool:
         return has_ann(self.table)
+
+    def has_id(self, item_id: str) -> bool:
+        """Whether ``item_id`` is a row of the table (quoted as an SQL literal, never parsed as SQL)."""
+        self.check_current()
+        return self.count(ids_predicate([item_id])) > 0
+
+    def image_source(self) -> ImageSource | None:
+        """Where the catalog's image files are, as ``index build`` recorded it (None for older tables)."""
+        return ImageSource.from_json((self.table.schema.metadata or {}).get(IMAGES_META_KEY))
 
     def indexed_rows(self) -> int:
         """Rows covered by the ANN index (0 without one)."""

@@ -251,6 +251,20 @@ class Engine:
         """The served head ``name`` (404 ``head_not_found`` otherwise)."""
         return get_head(self._heads, name)
 
+    def backbone(self, model: str) -> Backbone:
+        """The served backbone (facts and preprocessing config; forward passes go through the batcher)."""
+        return self._get(model).backbone
+
+    async def prepare(
+        self, model: str, data: bytes, policy: str | None, size: tuple[int, int] | None
+    ) -> Prepared:
+        """One image as the model is given it (decode + preprocess on the decode pool), to show it."""
+        served = self._get(model)
+        chosen = served.backbone.check_policy(policy)
+        if size is not None:
+            self._check_size(served, chosen, size)
+        return (await self._prepare_all(served, [data], chosen, size))[0]
+
     def _get(self, model: str) -> _Served:
         if not self._ready:
             raise NotReadyError("models are still loading")

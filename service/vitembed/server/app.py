@@ -433,6 +433,7 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     """One app serving ``settings.models``. Without ``engine`` the lifespan creates one, loads and warms every
     model (in a thread) before the server accepts requests, and stops it at shutdown; an ``engine`` passed
     in belongs to the caller, who starts and stops it."""
+    from vitembed.server.routes_explore import explore_router, page_router  # imported here: it imports this
     from vitembed.server.routes_heads import heads_router  # imported here: it imports this module
     from vitembed.server.routes_search import (  # imported here: it imports this module
         load_indexes,
@@ -483,10 +484,18 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     app.include_router(v1)
     app.include_router(search_router)
     app.include_router(heads_router)
+    app.include_router(explore_router)
+    app.include_router(page_router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     known_paths = frozenset(
         str(getattr(route, "path", ""))
-        for route in (*ops.routes, *v1.routes, *search_router.routes, *heads_router.routes)
+        for route in (
+            *ops.routes,
+            *v1.routes,
+            *search_router.routes,
+            *heads_router.routes,
+            *explore_router.routes,
+        )
     )
     app.add_middleware(RequestContextMiddleware, metrics=metrics, known_paths=known_paths)  # last = outermost
     app.openapi = lambda: _openapi_with_body_schemas(app)  # type: ignore[method-assign]

@@ -105,6 +105,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "model_not_found": 404,
         "head_not_found": 404,
         "index_not_found": 404,
+        "item_not_found": 404,  # an index item without a usable image (explorer thumbnails, patch similarity)
         "method_not_allowed": 405,
         "index_changed": 409,
         "body_too_large": 413,

@@ -1,0 +1,623 @@
+// The vitembed explorer: plain ES module, no dependencies, only same-origin /v1 calls.
+// State flows one way: controls -> requests -> drawings. Every request carries a generation number so an
+// answer to an outdated question is dropped instead of drawn.
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "vitembed-api-key";
+const POLICY_HELP = {
+  crop: "crop: the checkpoint's own processor (resize the short side, centre-crop): the edges are dropped.",
+  squash: "squash: resized to exactly the size: everything kept, the aspect ratio distorted.",
+  pad: "pad: fitted inside the size and letterboxed with the mean colour: aspect kept; letterbox patches are tokens spent on nothing.",
+  dynamic: "dynamic: aspect kept within a token budget (the size's patch count), sides snapped to whole patches: the grid differs per image.",
+};
+
+const state = {
+  key: sessionStorage.getItem(KEY_STORE) || "",
+  models: [],
+  indexes: [],
+  image: null, // Blob of the query image
+  features: null, // last /v1/patch-features answer
+  neighbours: [],
+  chosen: null, // id of the neighbour for "where they match"
+  patch: null, // [row, col] of the query patch
+  cursor: [0, 0],
+  generation: 0,
+  thumbUrls: [],
+};
+
+// ------------------------------------------------------------------------------------------- the API
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  if (state.key) headers.set("Authorization", `Bearer ${state.key}`);
+  const response = await fetch(path, { ...options, headers, credentials: "omit" });
+  if (!response.ok) {
+    let code = "http_error";
+    let message = response.statusText || "request failed";
+    try {
+      const body = await response.json();
+      code = body.error.code;
+      message = body.error.message;
+    } catch (_) {
+      /* not the service's error shape: keep the status text */
+    }
+    throw new ApiError(response.status, code, message);
+  }
+  return response;
+}
+
+const apiJson = async (path, options) => (await api(path, options)).json();
+
+function showError(error) {
+  if (error instanceof ApiError) {
+    $("error").textContent = `${error.status} ${error.code}: ${error.message}`;
+    if (error.status === 401) askForKey();
+  } else {
+    $("error").textContent = `error: ${error.message}`;
+  }
+}
+
+function clearError() {
+  $("error").textContent = "";
+}
+
+function setStatus(text) {
+  $("status").textContent = text;
+}
+
+function askForKey() {
+  $("key-field").hidden = false;
+  $("api-key").focus();
+}
+
+// ------------------------------------------------------------------------------------------- options
+function currentModel() {
+  return state.models.find((m) => m.id === $("model").value) || state.models[0];
+}
+
+function fillModels(models) {
+  state.models = models;
+  const select = $("model");
+  select.replaceChildren(
+    ...models.map((m) => new Option(`${m.id} (${m.info.family}, ${m.info.dim}-wide, ${m.info.patch_size[0]} px patches)`, m.id)),
+  );
+  const preferred = models.find((m) => m.default) || models[0];
+  if (preferred) select.value = preferred.id;
+  fillModelOptions();
+}
+
+function fillModelOptions() {
+  const model = currentModel();
+  if (!model) return;
+  const info = model.info;
+  const defaults = info.defaults || {};
+  const blocks = [];
+  for (let i = 0; i < info.depth; i += 1) blocks.push(new Option(`block ${i}${i === info.depth - 1 ? " (last)" : ""}`, String(i)));
+  $("layer").replaceChildren(...blocks);
+  const layers = defaults.layers;
+  $("layer").value = String(layers && layers.length ? layers[layers.length - 1] : info.depth - 1);
+  $("policy").value = defaults.policy || "crop";
+  const [ph, pw] = info.patch_size;
+  $("size-h").step = String(ph);
+  $("size-w").step = String(pw);
+  $("size-h").placeholder = String(info.processing_grid[0] * ph);
+  $("size-w").placeholder = String(info.processing_grid[1] * pw);
+  $("policy-help").textContent = POLICY_HELP[$("policy").value];
+  fillHeads();
+}
+
+function fillIndexes(indexes) {
+  state.indexes = indexes;
+  const select = $("index");
+  if (!indexes.length) {
+    select.replaceChildren(new Option("none served", ""));
+    select.disabled = true;
+    $("k").disabled = true;
+    $("similar-caption").textContent = "No index is served (start the server with --index NAME=DB_PATH:TABLE).";
+    return;
+  }
+  select.disabled = false;
+  $("k").disabled = false;
+  select.replaceChildren(...indexes.map((i) => new Option(`${i.name} (${i.rows} items, ${i.model})`, i.name)));
+  $("similar-caption").textContent = "Load an image to search.";
+}
+
+function featureOptions(form) {
+  form.append("model", $("model").value);
+  form.append("layer", $("layer").value);
+  form.append("policy", $("policy").value);
+  const h = $("size-h").value.trim();
+  const w = $("size-w").value.trim();
+  if (h || w) form.append("size", `${h || w},${w || h}`);
+}
+
+// ------------------------------------------------------------------------------------------- drawing
+function base64Bytes(text) {
+  const binary = atob(text);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i += 1) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+async function bitmapOf(encoded) {
+  return createImageBitmap(new Blob([base64Bytes(encoded.base64)], { type: encoded.media_type }));
+}
+
+function displayWidth(width) {
+  return Math.min(448, Math.max(224, width * 2));
+}
+
+function drawGrid(ctx, width, height, grid, patch) {
+  const [ph, pw] = patch;
+  ctx.save();
+  ctx.strokeStyle = "rgba(255, 255, 255, 0.55)";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  for (let c = 1; c < grid[1]; c += 1) {
+    ctx.moveTo(c * pw + 0.5, 0);
+    ctx.lineTo(c * pw + 0.5, height);
+  }
+  for (let r = 1; r < grid[0]; r += 1) {
+    ctx.moveTo(0, r * ph + 0.5);
+    ctx.lineTo(width, r * ph + 0.5);
+  }
+  ctx.stroke();
+  ctx.restore();
+}
+
+function drawView() {
+  const f = state.features;
+  if (!f || !state.viewBitmap) return;
+  const canvas = $("view");
+  const [height, width] = f.size;
+  canvas.width = width;
+  canvas.height = height;
+  canvas.style.width = `${displayWidth(width)}px`;
+  canvas.dataset.grid = `${f.grid[0]}x${f.grid[1]}`;
+  canvas.dataset.size = `${height}x${width}`;
+  const ctx = canvas.getContext("2d");
+  ctx.drawImage(state.viewBitmap, 0, 0);
+  drawGrid(ctx, width, height, f.grid, f.patch_size);
+  const [ph, pw] = f.patch_size;
+  const [cr, cc] = state.cursor;
+  ctx.strokeStyle = "#00e5ff";
+  ctx.lineWidth = 2;
+  ctx.strokeRect(cc * pw + 1, cr * ph + 1, pw - 2, ph - 2);
+  if (state.patch) {
+    const [r, c] = state.patch;
+    ctx.strokeStyle = "#ff2bd6";
+    ctx.lineWidth = 3;
+    ctx.strokeRect(c * pw + 1.5, r * ph + 1.5, pw - 3, ph - 3);
+  }
+}
+
+function putGridImage(canvas, rows, cols, colour) {
+  canvas.width = cols;
+  canvas.height = rows;
+  const ctx = canvas.getContext("2d");
+  const image = ctx.createImageData(cols, rows);
+  for (let r = 0; r < rows; r += 1) {
+    for (let c = 0; c < cols; c += 1) {
+      const [red, green, blue] = colour(r, c);
+      const at = 4 * (r * cols + c);
+      image.data[at] = red;
+      image.data[at + 1] = green;
+      image.data[at + 2] = blue;
+      image.data[at + 3] = 255;
+    }
+  }
+  ctx.putImageData(image, 0, 0);
+}
+
+function drawPca() {
+  const f = state.features;
+  const canvas = $("pca");
+  const rgb = f.pca.rgb;
+  putGridImage(canvas, f.grid[0], f.grid[1], (r, c) => rgb[r][c].map((v) => Math.round(v * 255)));
+  canvas.style.width = `${displayWidth(f.size[1])}px`;
+  canvas.style.height = `${(displayWidth(f.size[1]) * f.size[0]) / f.size[1]}px`;
+  canvas.dataset.grid = `${f.grid[0]}x${f.grid[1]}`;
+  const share = f.pca.explained.map((e) => `${(100 * e).toFixed(1)}%`).join(", ");
+  const kept = f.pca.foreground.flat().filter(Boolean).length;
+  const total = f.grid[0] * f.grid[1];
+  const bg = f.pca.threshold === null ? "all patches" : `${kept} of ${total} patches kept as foreground (threshold ${f.pca.threshold.toFixed(2)}; background black)`;
+  $("pca-caption").textContent = `Block ${f.layer} of ${f.model}; red, green, blue = components 1, 2, 3, explaining ${share} of the variance; ${bg}.`;
+}
+
+const fmt = (v, digits = 2) => (typeof v === "number" ? v.toLocaleString("en-US", { maximumFractionDigits: digits }) : String(v));
+
+function drawCost() {
+  const f = state.features;
+  const c = f.cost;
+  const rows = [
+    ["Model input", `${c.height} × ${c.width} px (from ${f.source_size[0]} × ${f.source_size[1]}), policy ${f.policy}`],
+    ["Patch grid", `${c.grid[0]} × ${c.grid[1]} of ${f.patch_size[0]} × ${f.patch_size[1]} px`],
+    ["Patch tokens", fmt(c.tokens)],
+    ["Sequence (with prefix tokens)", fmt(c.seq_len)],
+    ["GFLOPs per image", fmt(c.gflops)],
+    ["× the native size's FLOPs", `${fmt(c.flops_vs_native)}×${c.native ? " (native)" : ""}`],
+    ["Attention entries per head per layer", fmt(c.attn_entries_per_head, 0)],
+    ["Attention MB per layer (fp32)", fmt(c.attn_mb_per_layer)],
+    ["Parameters", fmt(c.params, 0)],
+  ];
+  const body = $("cost").tBodies[0];
+  body.replaceChildren(
+    ...rows.map(([name, value]) => {
+      const tr = document.createElement("tr");
+      const th = document.createElement("th");
+      th.scope = "row";
+      th.textContent = name;
+      const td = document.createElement("td");
+      td.textContent = value;
+      tr.append(th, td);
+      return tr;
+    }),
+  );
+  $("cost").hidden = false;
+  $("view-caption").textContent = `${c.height} × ${c.width} px as the model sees it (${f.policy}); ${c.grid[0]} × ${c.grid[1]} = ${fmt(c.tokens)} patch tokens, ${fmt(c.gflops)} GFLOPs.`;
+}
+
+// a "hot" ramp: black -> red -> yellow; red + green grows with the value
+function heat(t) {
+  return [Math.round(255 * Math.min(1, 2 * t)), Math.round(255 * Math.max(0, 2 * t - 1)), Math.round(64 * (1 - t))];
+}
+
+// ------------------------------------------------------------------------------------------- requests
+async function analyse() {
+  if (!state.image) return;
+  const generation = ++state.generation;
+  clearError();
+  setStatus("Computing the patch features…");
+  const form = new FormData();
+  form.append("image", state.image, "image");
+  featureOptions(form);
+  if ($("background").checked) form.append("background_threshold", $("threshold").value);
+  let features;
+  try {
+    features = await apiJson("/v1/patch-features", { method: "POST", body: form });
+  } catch (error) {
+    if (generation === state.generation) {
+      showError(error);
+      setStatus("");
+    }
+    return;
+  }
+  if (generation !== state.generation) return;
+  state.features = features;
+  state.viewBitmap = await bitmapOf(features.view);
+  if (generation !== state.generation) return;
+  const [rows, cols] = features.grid;
+  state.cursor = [Math.min(state.cursor[0], rows - 1), Math.min(state.cursor[1], cols - 1)];
+  if (state.patch && (state.patch[0] >= rows || state.patch[1] >= cols)) state.patch = null;
+  drawView();
+  drawPca();
+  drawCost();
+  document.body.dataset.features = String(generation);
+  setStatus(`Patch features of block ${features.layer} ready.`);
+  if (state.patch && state.chosen) await match();
+}
+
+async function search() {
+  if (!state.image || !state.indexes.length) return;
+  const form = new FormData();
+  form.append("image", state.image, "image");
+  form.append("index", $("index").value);
+  form.append("k", $("k").value || "6");
+  let answer;
+  try {
+    answer = await apiJson("/v1/search", { method: "POST", body: form });
+  } catch (error) {
+    showError(error);
+    return;
+  }
+  state.neighbours = answer.data[0].results;
+  const p = answer.provenance;
+  $("similar-caption").textContent = `${state.neighbours.length} nearest items of index ${answer.index} by ${p.metric} similarity of ${p.pooling} features of ${p.layers ? `block ${p.layers.join(", ")}` : "the last block"} (policy ${p.policy}, the index's own options).`;
+  if (!state.neighbours.some((n) => n.id === state.chosen)) state.chosen = state.neighbours.length ? state.neighbours[0].id : null;
+  await drawNeighbours(answer.index);
+  document.body.dataset.neighbours = String(state.neighbours.length);
+  if (state.patch && state.chosen) await match();
+}
+
+async function drawNeighbours(index) {
+  state.thumbUrls.forEach((url) => URL.revokeObjectURL(url));
+  state.thumbUrls = [];
+  const list = $("neighbours");
+  const items = state.neighbours.map((n, position) => {
+    const li = document.createElement("li");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "neighbour";
+    button.dataset.id = n.id;
+    button.setAttribute("aria-pressed", String(n.id === state.chosen));
+    const img = document.createElement("img");
+    img.alt = `catalog item ${n.id}`;
+    img.width = 96;
+    img.height = 96;
+    const label = document.createElement("span");
+    label.textContent = `${position + 1}. ${n.id} — ${n.score.toFixed(4)}`;
+    button.append(img, label);
+    button.addEventListener("click", () => chooseNeighbour(n.id));
+    li.append(button);
+    // an <img> cannot send the bearer token: fetch with it, show a blob URL
+    api(`/v1/indexes/${encodeURIComponent(index)}/thumbnail?id=${encodeURIComponent(n.id)}&max_side=160`)
+      .then((response) => response.blob())
+      .then((blob) => {
+        const url = URL.createObjectURL(blob);
+        state.thumbUrls.push(url);
+        img.src = url;
+      })
+      .catch((error) => {
+        img.alt = `no thumbnail for ${n.id}: ${error.message}`;
+      });
+    return li;
+  });
+  list.replaceChildren(...items);
+}
+
+async function chooseNeighbour(id) {
+  state.chosen = id;
+  for (const button of document.querySelectorAll(".neighbour")) button.setAttribute("aria-pressed", String(button.dataset.id === id));
+  if (state.patch) await match();
+  else $("match-caption").textContent = `Neighbour ${id} chosen: now pick a patch of the query image.`;
+}
+
+async function match() {
+  if (!state.image || !state.patch || !state.chosen) return;
+  const generation = state.generation;
+  const form = new FormData();
+  form.append("image", state.image, "image");
+  featureOptions(form);
+  form.append("index", $("index").value);
+  form.append("id", state.chosen);
+  form.append("row", String(state.patch[0]));
+  form.append("col", String(state.patch[1]));
+  setStatus("Comparing patches…");
+  let answer;
+  try {
+    answer = await apiJson("/v1/patch-similarity", { method: "POST", body: form });
+  } catch (error) {
+    showError(error);
+    setStatus("");
+    return;
+  }
+  if (generation !== state.generation) return;
+  const bitmap = await bitmapOf(answer.view);
+  const [height, width] = answer.size;
+  const view = $("match-view");
+  view.width = width;
+  view.height = height;
+  view.getContext("2d").drawImage(bitmap, 0, 0);
+  const shown = displayWidth(width);
+  for (const canvas of [view, $("match-heat")]) {
+    canvas.style.width = `${shown}px`;
+    canvas.style.height = `${(shown * height) / width}px`;
+  }
+  const values = answer.similarity.flat();
+  const low = Math.min(...values);
+  const high = Math.max(...values);
+  const span = high - low || 1;
+  const heatCanvas = $("match-heat");
+  putGridImage(heatCanvas, answer.grid[0], answer.grid[1], (r, c) => heat((answer.similarity[r][c] - low) / span));
+  heatCanvas.dataset.best = `${answer.best.row},${answer.best.col}`;
+  heatCanvas.dataset.patch = `${answer.patch[0]},${answer.patch[1]}`;
+  heatCanvas.dataset.id = answer.id;
+  $("match-caption").textContent = `Query patch (row ${answer.patch[0]}, column ${answer.patch[1]}) against ${answer.id}: cosine from ${low.toFixed(3)} (black) to ${high.toFixed(3)} (yellow); best at row ${answer.best.row}, column ${answer.best.col}.`;
+  setStatus("Patches compared.");
+}
+
+async function classify() {
+  const container = $("heads");
+  const heads = Object.entries(currentModel()?.info.heads || {});
+  if (!heads.length || !state.image) return;
+  for (const [name, card] of heads) {
+    const box = container.querySelector(`[data-head="${CSS.escape(name)}"] .result`);
+    const form = new FormData();
+    form.append("image", state.image, "image");
+    form.append("head", name);
+    form.append("top_k", "5");
+    try {
+      const answer = await apiJson("/v1/classify", { method: "POST", body: form });
+      const item = answer.data[0];
+      if (item.labels) {
+        const list = document.createElement("ol");
+        list.replaceChildren(
+          ...item.labels.map((l) => {
+            const li = document.createElement("li");
+            const meter = document.createElement("meter");
+            meter.min = 0;
+            meter.max = 1;
+            meter.value = l.probability;
+            meter.setAttribute("aria-label", `probability of ${l.label}`);
+            li.append(`${l.label}: ${(100 * l.probability).toFixed(1)}% `, meter);
+            return li;
+          }),
+        );
+        box.replaceChildren(list);
+      } else {
+        box.replaceChildren(patchHeadMap(item.grid, answer.classes, name));
+      }
+    } catch (error) {
+      box.textContent = error instanceof ApiError ? `${error.status} ${error.code}: ${error.message}` : error.message;
+    }
+  }
+}
+
+const CLASS_COLOURS = [[31, 119, 180], [255, 127, 14], [44, 160, 44], [214, 39, 40], [148, 103, 189], [140, 86, 75], [227, 119, 194], [127, 127, 127], [188, 189, 34], [23, 190, 207]];
+
+function patchHeadMap(grid, classes, name) {
+  const wrap = document.createElement("div");
+  const canvas = document.createElement("canvas");
+  canvas.setAttribute("role", "img");
+  canvas.setAttribute("aria-label", `class of each patch according to head ${name}`);
+  putGridImage(canvas, grid.length, grid[0].length, (r, c) => CLASS_COLOURS[grid[r][c] % CLASS_COLOURS.length]);
+  canvas.className = "grid-map";
+  canvas.style.width = "224px";
+  canvas.style.height = `${(224 * grid.length) / grid[0].length}px`;
+  const legend = document.createElement("ul");
+  legend.className = "legend";
+  legend.replaceChildren(
+    ...classes.map((label, i) => {
+      const li = document.createElement("li");
+      const swatch = document.createElement("span");
+      swatch.className = "swatch";
+      swatch.style.background = `rgb(${CLASS_COLOURS[i % CLASS_COLOURS.length].join(",")})`;
+      li.append(swatch, label);
+      return li;
+    }),
+  );
+  wrap.append(canvas, legend);
+  return wrap;
+}
+
+function fillHeads() {
+  const heads = Object.entries(currentModel()?.info.heads || {});
+  const container = $("heads");
+  if (!heads.length) {
+    container.innerHTML = '<p class="help">No heads are served for this model.</p>';
+    return;
+  }
+  container.replaceChildren(
+    ...heads.map(([name, card]) => {
+      const section = document.createElement("div");
+      section.className = "head";
+      section.dataset.head = name;
+      const title = document.createElement("h3");
+      title.textContent = `${name} (${card.kind}, ${card.classes.length} classes; images prepared as it was trained: ${card.policy})`;
+      const result = document.createElement("div");
+      result.className = "result";
+      result.textContent = "Load an image.";
+      section.append(title, result);
+      return section;
+    }),
+  );
+}
+
+// ------------------------------------------------------------------------------------------- events
+async function useImage(blob) {
+  if (!blob) return;
+  state.image = blob;
+  state.patch = null;
+  await analyse();
+  if (!state.features || $("error").textContent) return;
+  await Promise.all([search(), classify()]);
+}
+
+function patchAt(event) {
+  const f = state.features;
+  if (!f) return null;
+  const canvas = $("view");
+  const rect = canvas.getBoundingClientRect();
+  const x = ((event.clientX - rect.left) / rect.width) * f.size[1];
+  const y = ((event.clientY - rect.top) / rect.height) * f.size[0];
+  const row = Math.min(f.grid[0] - 1, Math.max(0, Math.floor(y / f.patch_size[0])));
+  const col = Math.min(f.grid[1] - 1, Math.max(0, Math.floor(x / f.patch_size[1])));
+  return [row, col];
+}
+
+async function pickPatch(patch) {
+  state.patch = patch;
+  state.cursor = patch;
+  drawView();
+  $("view-caption").dataset.patch = patch.join(",");
+  if (state.chosen) await match();
+  else $("match-caption").textContent = state.indexes.length ? "Choose a neighbour." : "No index is served.";
+}
+
+async function loadServer() {
+  clearError();
+  try {
+    const models = await apiJson("/v1/models");
+    fillModels(models.data);
+    const indexes = await apiJson("/v1/indexes");
+    fillIndexes(indexes.data);
+    setStatus(`Serving ${state.models.map((m) => m.id).join(", ")}. Load an image.`);
+    document.body.dataset.ready = "true";
+  } catch (error) {
+    showError(error);
+  }
+}
+
+function wire() {
+  $("api-key").value = state.key;
+  $("use-key").addEventListener("click", () => {
+    state.key = $("api-key").value.trim();
+    sessionStorage.setItem(KEY_STORE, state.key);
+    loadServer();
+  });
+  $("api-key").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") {
+      event.preventDefault();
+      $("use-key").click();
+    }
+  });
+  $("options").addEventListener("submit", (event) => event.preventDefault());
+  $("file").addEventListener("change", () => useImage($("file").files[0]));
+  const drop = $("drop");
+  drop.addEventListener("dragover", (event) => {
+    event.preventDefault();
+    drop.classList.add("over");
+  });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (event) => {
+    event.preventDefault();
+    drop.classList.remove("over");
+    const file = [...event.dataTransfer.files][0];
+    if (file) useImage(file);
+  });
+  document.addEventListener("paste", (event) => {
+    const item = [...(event.clipboardData?.items || [])].find((i) => i.kind === "file");
+    if (item) useImage(item.getAsFile());
+  });
+  $("model").addEventListener("change", () => {
+    fillModelOptions();
+    useImage(state.image);
+  });
+  for (const id of ["layer", "policy", "background"]) $(id).addEventListener("change", analyse);
+  $("policy").addEventListener("change", () => ($("policy-help").textContent = POLICY_HELP[$("policy").value]));
+  $("threshold").addEventListener("input", () => ($("threshold-out").textContent = Number($("threshold").value).toFixed(2)));
+  $("threshold").addEventListener("change", () => $("background").checked && analyse());
+  $("apply-size").addEventListener("click", analyse);
+  for (const id of ["size-h", "size-w"]) {
+    $(id).addEventListener("keydown", (event) => {
+      if (event.key === "Enter") {
+        event.preventDefault();
+        analyse();
+      }
+    });
+  }
+  $("index").addEventListener("change", search);
+  $("k").addEventListener("change", search);
+  const view = $("view");
+  view.addEventListener("click", (event) => {
+    const patch = patchAt(event);
+    if (patch) pickPatch(patch);
+  });
+  view.addEventListener("keydown", (event) => {
+    const f = state.features;
+    if (!f) return;
+    const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+    if (moves[event.key]) {
+      event.preventDefault();
+      const [dr, dc] = moves[event.key];
+      state.cursor = [
+        Math.min(f.grid[0] - 1, Math.max(0, state.cursor[0] + dr)),
+        Math.min(f.grid[1] - 1, Math.max(0, state.cursor[1] + dc)),
+      ];
+      drawView();
+    } else if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      pickPatch([...state.cursor]);
+    }
+  });
+}
+
+wire();
+loadServer();
