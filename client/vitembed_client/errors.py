@@ -178,6 +178,7 @@ ERROR_CODES: Mapping[str, type[APIError]] = {
     "model_not_found": NotFoundError,
     "head_not_found": NotFoundError,
     "index_not_found": NotFoundError,
+    "item_not_found": NotFoundError,
     "method_not_allowed": MethodNotAllowedError,
     "index_changed": ConflictError,
     "body_too_large": PayloadTooLargeError,

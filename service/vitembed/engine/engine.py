@@ -256,14 +256,20 @@ class Engine:
         return self._get(model).backbone
 
     async def prepare(
-        self, model: str, data: bytes, policy: str | None, size: tuple[int, int] | None
+        self,
+        model: str,
+        data: bytes,
+        policy: str | None,
+        size: tuple[int, int] | None,
+        *,
+        ticket: RequestTicket,
     ) -> Prepared:
         """One image as the model is given it (decode + preprocess on the decode pool), to show it."""
         served = self._get(model)
         chosen = served.backbone.check_policy(policy)
         if size is not None:
             self._check_size(served, chosen, size)
-        return (await self._prepare_all(served, [data], chosen, size))[0]
+        return (await self._prepare_all(served, [data], chosen, size, ticket))[0]
 
     def _get(self, model: str) -> _Served:
         if not self._ready:

@@ -22,7 +22,6 @@ import asyncio
 import base64
 import functools
 import io
-import time
 from importlib import resources
 from typing import Annotated, Any
 
@@ -37,17 +36,19 @@ from vit_backbone.catalog.item_images import MAX_THUMBNAIL_SIDE, ItemImages, Ite
 from vit_backbone.costs import cost_report
 from vit_backbone.errors import ImageDecodeError
 from vit_backbone.patch_maps import model_view, patch_pca, patch_similarity
-from vitembed.engine.engine import EmbedOptions, Engine, ItemError
+from vitembed.engine.engine import EmbedOptions, Engine, ItemError, RequestTicket
 from vitembed.server.app import (
     ERROR_RESPONSES,
     EngineDep,
     SettingsDep,
     _offload,
+    race_client,
     read_body,
     run_engine,
     unsupported_media_type,
 )
 from vitembed.server.auth import require_api_key
+from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import ApiError
 from vitembed.server.routes_search import (
     ServedIndex,
@@ -247,7 +248,10 @@ async def _tokens_and_view(
 ) -> tuple[np.ndarray, Any, int, str]:
     """One image's patch tokens of the chosen block [h, w, D] and the prepared pixels it came from."""
     block = _block(engine, model, options.layer)
-    prepared = await engine.prepare(model, image, options.policy, options.size)
+    ticket = RequestTicket(deadline, budget_s(request))
+    prepared = await race_client(
+        request, ticket, engine.prepare(model, image, options.policy, options.size, ticket=ticket), deadline
+    )
     outcome = await run_engine(
         request,
         engine,
@@ -296,7 +300,7 @@ async def patch_features(request: Request, engine: EngineDep, settings: Settings
     """One image (multipart part ``image`` or JSON ``{"images": [{"base64"}]}``) → what the model sees under
     ``policy`` and ``size`` (a PNG of the prepared pixels), its patch grid, the cost of that size, and the
     PCA map of block ``layer``'s patch tokens (optionally without the background)."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     image, raw = await _one_image(request, FEATURE_FIELDS, settings.max_images_per_request)
     options: FeatureOptionsIn = _validate(FeatureOptionsIn, raw)
     model = options.model or next(iter(settings.models))
@@ -374,7 +378,7 @@ async def patch_similarity_route(request: Request, engine: EngineDep, settings: 
     """Where they match: the query image's patch (``row``, ``col``) of block ``layer`` against every patch of
     index item ``id``, whose image is read from the index's catalog and prepared with the same ``policy`` and
     ``size``; the cosine of each pair as an [h][w] map over the item's pixels (also returned, as a PNG)."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     image, raw = await _one_image(request, SIMILARITY_FIELDS, settings.max_images_per_request)
     options: SimilarityOptionsIn = _validate(SimilarityOptionsIn, raw)
     served = pick_index(served_indexes(request), options.index)
@@ -425,7 +429,7 @@ async def thumbnail(
     max_side: Annotated[int, Query(ge=16, le=MAX_THUMBNAIL_SIDE, description="longer side in pixels")] = 160,
 ) -> Response:
     """A JPEG of index item ``id``, from the source its catalog was embedded from (never another path)."""
-    deadline = time.monotonic() + settings.request_timeout_s
+    deadline = request_deadline(request, settings)
     served = pick_index(served_indexes(request), index)
     data, images = await _item_bytes(request, served, item_id, deadline)
     try:
