@@ -153,8 +153,9 @@ class ModelLoad:
         self._running_since = 0.0
 
     # ------------------------------------------------------------------ the request side
-    def admit(self, images: int, tokens: int, deadline_left_s: float) -> Reservation:
-        """Reserve ``images`` of ``tokens`` tokens each, or raise ``QueueFullError`` with the reason."""
+    def admit(self, images: int, tokens: int, deadline_left_s: float, *, reserve: bool = True) -> Reservation:
+        """Reserve ``images`` of ``tokens`` tokens each, or raise ``QueueFullError`` with the reason.
+        ``reserve=False`` only checks (the early refusal before a body is read)."""
         control = self._control
         with control.lock:
             per_image = self.estimate.per_image_s(tokens) or 0.0
@@ -175,6 +176,8 @@ class ModelLoad:
                     predicted_wait_s=decision.predicted_wait_s,
                     limit_s=decision.limit_s,
                 )
+            if not reserve:
+                return Reservation(self, tokens, 0, decision.predicted_wait_s)
             self._reserved[tokens] += images
             control.held += images
             return Reservation(self, tokens, images, decision.predicted_wait_s)

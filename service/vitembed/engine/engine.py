@@ -397,6 +397,21 @@ class Engine:
         self.metrics.admission_wait.labels("actual").observe(time.monotonic() - reservation.admitted_at)
         return list(rows)
 
+    def refuse_early(self, model: str, deadline: float) -> None:
+        """Before a body is read: refuse at once (``QueueFullError``) if not even one image of ``model`` at
+        its default options could be admitted now. Nothing is reserved; the full check follows the parse."""
+        served = self._get(model)
+        tokens = self._expected_tokens(served, served.backbone.check_policy(None), None)
+        try:
+            served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False)
+        except QueueFullError as refused:
+            self._count_refusal(served, refused)
+            raise
+
+    def _count_refusal(self, served: _Served, refused: QueueFullError) -> None:
+        self.metrics.rejected.labels(refused.reason).inc()
+        self.metrics.admission.labels(served.name, refused.reason).inc()
+
     def _admit(
         self, served: _Served, count: int, policy: str, size: tuple[int, int] | None, deadline: float
     ) -> Reservation:
@@ -405,8 +420,7 @@ class Engine:
         try:
             reservation = served.load.admit(count, tokens, deadline - time.monotonic())
         except QueueFullError as refused:
-            self.metrics.rejected.labels(refused.reason).inc()
-            self.metrics.admission.labels(served.name, refused.reason).inc()
+            self._count_refusal(served, refused)
             raise
         self.metrics.admission.labels(served.name, "admitted").inc()
         self.metrics.admission_wait.labels("predicted").observe(reservation.predicted_wait_s)

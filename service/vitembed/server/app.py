@@ -245,6 +245,7 @@ async def embed(
     fields or query parameters. ``Accept: application/x-npy`` returns one ``.npy`` array, provenance in
     ``X-Vitembed-*`` headers."""
     deadline = request_deadline(request, settings)
+    refuse_early(engine, settings, query.model, deadline)
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     if media_type(content_type) == "multipart/form-data":
@@ -301,6 +302,7 @@ async def embeddings(
     """OpenAI-compatible: ``input`` is one or more ``data:image/...;base64,`` URIs; the official client's
     ``embeddings.create`` works unchanged (it asks for base64: float32 little-endian)."""
     deadline = request_deadline(request, settings)
+    refuse_early(engine, settings, None, deadline)
     body = await read_body(request)
     if not is_json(request.headers.get("content-type")):
         raise unsupported_media_type("application/json")
@@ -346,6 +348,15 @@ async def read_body(request: Request) -> bytes:
     if not body:
         raise ApiError(400, "empty_body", "the request body is empty")
     return body
+
+
+def refuse_early(engine: Engine, settings: ServiceSettings, model: str | None, deadline: float) -> None:
+    """429 before the body is read when not even one image could be admitted now: the model named in the
+    query, or the only one served (a model named in the body is checked after the parse)."""
+    if model is None and len(settings.models) == 1:
+        model = next(iter(settings.models))
+    if model is not None and model in engine.model_names:
+        engine.refuse_early(model, deadline)
 
 
 def wants_npy(accept: str | None) -> bool:

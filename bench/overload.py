@@ -1,0 +1,518 @@
+"""Overload: does ``vitembed serve`` keep its goodput when far more clients come than it can serve?
+
+The operator's setup of issue 12: ``vitembed serve`` with the embedded default backbone and server defaults,
+single-image multipart requests of 640x480 JPEGs of noise (the worst case for decoding). The load
+generator is a separate process (``bench/overload_loadgen.py``: asyncio, raw HTTP/1.1 on keep-alive
+connections, so that its own CPU stays small; that CPU is measured and reported, since it shares the
+machine's cores).
+
+Scenarios, each also with a busy neighbour (one process spinning on one core for the whole scenario, the
+capacity then measured with it):
+
+1. capacity: closed-loop clients 1, 2, 4, ... until images/s stops rising; the capacity is the best rate
+   and C the fewest clients within 5 % of it;
+2. overload: 2C, 4C, 16C and 256 closed-loop clients that ignore ``Retry-After`` (or the overload would
+   vanish), and a well-behaved run (16C clients that wait ``Retry-After``);
+3. open loop: Poisson arrivals at twice the capacity, each on its own connection;
+4. recovery: right after the 16C overload stops, C clients: seconds until their goodput over a 1 s window
+   is back at 90 % of capacity.
+
+Reported per scenario: goodput (200s within the deadline per second) as a fraction of capacity, p50/p99 of
+admitted requests, p99 of 429 answers (from request start), 504s, 5xx, the load generator's CPU, the
+server's RSS before and after. Then memory: RSS after 1,000 and after 10,000 requests (mixed sizes and
+counts, some invalid) on a tiny random-init model (so the run takes a minute; growth is the server's).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/overload.py [--quick] [--out bench/results]
+
+Writes ``overload.md`` and ``overload.json``. ``--quick`` shortens every scenario (a smoke run, not
+numbers to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOADGEN = Path(__file__).resolve().parent / "overload_loadgen.py"
+DEADLINE_S = 30.0  # the server's default request_timeout_s: a 200 after it is not goodput
+
+
+# ------------------------------------------------------------------------------------------- the processes
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def server(model: str, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITEMBED_")}
+    command = [sys.executable, "-m", "vitembed", "serve", "--model", model, "--port", str(port), *flags]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited: {log_path.read_text()[-2000:]}")
+                try:
+                    with socket.create_connection((HOST, port), timeout=1) as sock:
+                        sock.sendall(
+                            f"GET /ready HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
+                        )
+                        if b" 200 " in sock.recv(64):
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not become ready")
+                time.sleep(0.2)
+            yield proc, port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def neighbour(enabled: bool) -> Iterator[None]:
+    """One process spinning on one core for the whole block."""
+    if not enabled:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_loadgen(
+    port: int, payloads: list[bytes], groups: list[Group], seed: int = 0
+) -> tuple[list[Record], float]:
+    spec = {
+        "port": port,
+        "payloads": [p.hex() for p in payloads],
+        "groups": [asdict(g) for g in groups],
+        "seed": seed,
+    }
+    done = subprocess.run(
+        [sys.executable, str(LOADGEN), "groups"],
+        input=json.dumps(spec).encode(),
+        capture_output=True,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    return [Record(**r) for r in out["records"]], float(out["cpu_s"])
+
+
+# ------------------------------------------------------------------------------------------- summaries
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+@dataclass
+class Summary:
+    scenario: str
+    neighbour: bool
+    load: str
+    duration_s: float
+    goodput: float  # 200s within the deadline, completed inside the window, per second
+    fraction: float  # of the capacity measured under the same conditions
+    p50_ok_s: float
+    p99_ok_s: float
+    rate_429: float
+    p99_429_ms: float
+    n_200: int
+    n_429: int
+    n_504: int
+    n_5xx: int
+    n_other: int
+    loadgen_cores: float
+    server_cores: float
+    rss_before_mib: float
+    rss_after_mib: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def summarise(
+    name: str,
+    with_neighbour: bool,
+    load: str,
+    records: list[Record],
+    window: tuple[float, float],
+    capacity: float,
+    loadgen_cpu: float,
+    server_cpu: float,
+    rss: tuple[float, float],
+    group: str | None = None,
+) -> Summary:
+    mine = [r for r in records if group is None or r.group == group]
+    start, end = window
+    span = end - start
+    ok = [r for r in mine if r.status == 200]
+    good = [r for r in ok if r.end - r.start <= DEADLINE_S and start <= r.end <= end]
+    refused = [r for r in mine if r.status == 429]
+    goodput = len(good) / span
+    return Summary(
+        scenario=name,
+        neighbour=with_neighbour,
+        load=load,
+        duration_s=span,
+        goodput=goodput,
+        fraction=goodput / capacity if capacity else math.nan,
+        p50_ok_s=pct([r.end - r.start for r in ok], 50),
+        p99_ok_s=pct([r.end - r.start for r in ok], 99),
+        rate_429=len(refused) / span,
+        p99_429_ms=1000 * pct([r.end - r.start for r in refused], 99),
+        n_200=len(ok),
+        n_429=len(refused),
+        n_504=sum(r.status == 504 for r in mine),
+        n_5xx=sum(r.status >= 500 and r.status != 504 for r in mine),
+        n_other=sum(r.status not in (200, 429) and r.status < 500 for r in mine),
+        loadgen_cores=loadgen_cpu / max(r.end for r in records) if records else math.nan,
+        server_cores=server_cpu / max(r.end for r in records) if records else math.nan,
+        rss_before_mib=rss[0],
+        rss_after_mib=rss[1],
+    )
+
+
+def scenario(
+    proc: subprocess.Popen[bytes],
+    port: int,
+    payloads: list[bytes],
+    name: str,
+    with_neighbour: bool,
+    load: str,
+    groups: list[Group],
+    capacity: float,
+    seed: int = 0,
+) -> tuple[Summary, list[Record]]:
+    rss_before, cpu_before = rss_mib(proc.pid), cpu_seconds(proc.pid)
+    records, loadgen_cpu = run_loadgen(port, payloads, groups, seed)
+    rss_after, server_cpu = rss_mib(proc.pid), cpu_seconds(proc.pid) - cpu_before
+    main = groups[0]
+    summary = summarise(
+        name,
+        with_neighbour,
+        load,
+        records,
+        (main.start_s, main.start_s + main.duration_s),
+        capacity,
+        loadgen_cpu,
+        server_cpu,
+        (rss_before, rss_after),
+        group=main.name,
+    )
+    print(
+        f"  {name:<28} {'busy' if with_neighbour else 'quiet':<5} goodput {summary.goodput:6.2f}/s "
+        f"({summary.fraction:5.1%}) p50/p99 {summary.p50_ok_s:5.2f}/{summary.p99_ok_s:5.2f} s  "
+        f"429 {summary.n_429} (p99 {summary.p99_429_ms:.0f} ms)  504 {summary.n_504}  5xx {summary.n_5xx}  "
+        f"loadgen {summary.loadgen_cores:.2f} cores",
+        flush=True,
+    )
+    return summary, records
+
+
+def recovery_seconds(
+    records: list[Record], group: str, since: float, capacity: float, horizon: float
+) -> float:
+    """First time after ``since`` at which ``group``'s goodput over the next 1 s reaches 90 % of capacity."""
+    ends = sorted(r.end for r in records if r.group == group and r.status == 200)
+    t = since
+    while t + 1.0 <= horizon:
+        if sum(t <= e < t + 1.0 for e in ends) >= 0.9 * capacity:
+            return t - since
+        t += 0.1
+    return math.inf
+
+
+# ------------------------------------------------------------------------------------------- the run
+def measure_capacity(
+    proc: subprocess.Popen[bytes], port: int, payloads: list[bytes], with_neighbour: bool, duration: float
+) -> tuple[float, int, list[dict[str, Any]]]:
+    tried: list[dict[str, Any]] = []
+    best, clients = 0.0, 1
+    for count in (1, 2, 4, 8, 16):
+        records, _ = run_loadgen(port, payloads, [Group("cap", clients=count, duration_s=duration)])
+        rate = sum(r.status == 200 and r.end <= duration for r in records) / duration
+        tried.append({"clients": count, "images_per_s": rate})
+        print(
+            f"  capacity probe {'busy' if with_neighbour else 'quiet'}: {count:>2} clients {rate:6.2f}/s",
+            flush=True,
+        )
+        if rate > best * 1.05:
+            best, clients = rate, count
+        elif count >= 4:
+            break
+    best = max(t["images_per_s"] for t in tried)
+    clients = min(t["clients"] for t in tried if t["images_per_s"] >= 0.95 * best)
+    return best, clients, tried
+
+
+def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
+    duration = 8.0 if quick else 30.0
+    probe = 5.0 if quick else 12.0
+    with tempfile.TemporaryDirectory() as tmp, server(model, Path(tmp) / "serve.log") as (proc, port):
+        payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
+        results: dict[str, Any] = {"scenarios": [], "capacity": {}}
+        for with_neighbour in (False, True):
+            with neighbour(with_neighbour):
+                capacity, c, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
+                key = "busy" if with_neighbour else "quiet"
+                results["capacity"][key] = {"images_per_s": capacity, "clients": c, "probes": tried}
+                runs: list[tuple[str, str, list[Group]]] = [
+                    (
+                        f"closed {n}C",
+                        f"{n * c} clients",
+                        [Group("main", clients=n * c, duration_s=duration)],
+                    )
+                    for n in (2, 4, 16)
+                ]
+                runs.append(("closed 256", "256 clients", [Group("main", clients=256, duration_s=duration)]))
+                runs.append(
+                    (
+                        "well-behaved 16C",
+                        f"{16 * c} clients, honour Retry-After",
+                        [Group("main", clients=16 * c, duration_s=duration, honour_retry_after=True)],
+                    )
+                )
+                runs.append(
+                    (
+                        "open loop 2x",
+                        f"{2 * capacity:.1f} req/s Poisson",
+                        [Group("main", rate=2 * capacity, duration_s=duration)],
+                    )
+                )
+                for name, load, groups in runs:
+                    summary, _ = scenario(proc, port, payloads, name, with_neighbour, load, groups, capacity)
+                    results["scenarios"].append(asdict(summary))
+                # recovery: C clients start the moment a 16C overload stops
+                tail = 6.0
+                groups = [
+                    Group("main", clients=16 * c, duration_s=duration),
+                    Group("after", clients=c, start_s=duration, duration_s=tail),
+                ]
+                summary, records = scenario(
+                    proc,
+                    port,
+                    payloads,
+                    "16C then C (recovery)",
+                    with_neighbour,
+                    f"{16 * c} then {c} clients",
+                    groups,
+                    capacity,
+                )
+                summary.extra["recovery_s"] = recovery_seconds(
+                    records, "after", duration, capacity, duration + tail
+                )
+                print(f"    recovery to 90 % of capacity: {summary.extra['recovery_s']:.1f} s", flush=True)
+                results["scenarios"].append(asdict(summary))
+    return results
+
+
+def memory_suite(out: Path, quick: bool) -> dict[str, Any]:
+    """RSS after 1,000 and after 10,000 requests of mixed sizes (some invalid), tiny random-init model."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import make_tiny_checkpoint  # the tests' tiny checkpoints: no downloads
+
+    total, first = (2_000, 200) if quick else (10_000, 1_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_tiny_checkpoint("dinov2", Path(tmp) / "tiny")
+        with server(f"tiny={folder}", Path(tmp) / "serve.log", "--precision", "float32") as (proc, port):
+            rng = random.Random(0)
+            good = [
+                jpeg_noise(w, h, s) for s, (w, h) in enumerate([(64, 64), (160, 120), (320, 240), (640, 480)])
+            ]
+            bad = [good[0][: len(good[0]) // 2], b"not an image at all", b""]
+            payloads = []
+            for i in range(64):
+                count = rng.choice([1, 1, 1, 2, 4, 8])
+                images = [rng.choice(good) for _ in range(count)]
+                fields = {"pooling": "patch"} if i % 7 == 0 else ({"pooling": "bogus"} if i % 11 == 0 else {})
+                if i % 9 == 0:
+                    images[0] = rng.choice(bad)
+                payloads.append(multipart_request(port, images, fields=fields))
+            rss = {"start": rss_mib(proc.pid)}
+            statuses: dict[int, int] = {}
+            done = 0
+            for target in (first, total):
+                while done < target:
+                    clients = 8
+                    per_client = max(1, min(500, target - done) // clients)
+                    records, _ = _count_requests(port, payloads, clients, per_client, done)
+                    for r in records:
+                        statuses[r.status] = statuses.get(r.status, 0) + 1
+                    done += len(records)
+                rss[str(target)] = rss_mib(proc.pid)
+                print(f"  memory: RSS after {done} requests {rss[str(target)]:.1f} MiB", flush=True)
+    growth = rss[str(total)] / rss[str(first)] - 1
+    return {"requests": total, "first": first, "rss_mib": rss, "growth": growth, "statuses": statuses}
+
+
+def _count_requests(
+    port: int, payloads: list[bytes], clients: int, per_client: int, seed: int
+) -> tuple[list[Record], float]:
+    """A fixed number of requests (``clients`` x ``per_client``), through the load generator process."""
+    spec = {
+        "port": port,
+        "payloads": [p.hex() for p in payloads],
+        "clients": clients,
+        "per_client": per_client,
+        "seed": seed,
+    }
+    done = subprocess.run(
+        [sys.executable, str(LOADGEN), "count"],
+        input=json.dumps(spec).encode(),
+        capture_output=True,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    return [Record(**r) for r in out["records"]], float(out["cpu_s"])
+
+
+# ------------------------------------------------------------------------------------------- the report
+COLUMNS = (
+    "scenario",
+    "neighbour",
+    "load",
+    "goodput /s",
+    "÷ capacity",
+    "p50 / p99 admitted s",
+    "429 (p99 ms)",
+    "504",
+    "5xx",
+    "loadgen cores",
+    "server cores",
+    "RSS before → after MiB",
+)
+
+
+def table_row(s: dict[str, Any]) -> str:
+    recovery = f"; recovery {s['extra']['recovery_s']:.1f} s" if "recovery_s" in s["extra"] else ""
+    cells = (
+        f"{s['scenario']}{recovery}",
+        "busy" if s["neighbour"] else "quiet",
+        s["load"],
+        f"{s['goodput']:.1f}",
+        f"{s['fraction']:.0%}",
+        f"{s['p50_ok_s']:.2f} / {s['p99_ok_s']:.2f}",
+        f"{s['n_429']} ({s['p99_429_ms']:.0f})",
+        str(s["n_504"]),
+        str(s["n_5xx"]),
+        f"{s['loadgen_cores']:.2f}",
+        f"{s['server_cores']:.2f}",
+        f"{s['rss_before_mib']:.0f} → {s['rss_after_mib']:.0f}",
+    )
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overload.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    kind = "--quick (short scenarios: a smoke run)" if results["quick"] else "full"
+    lines = [
+        "# Overload benchmark (`bench/overload.py`)",
+        "",
+        f"Run: {results['when']}, {kind}; machine: {results['machine']}; load average before / after: "
+        f"{results['load_before']} / {results['load_after']}.",
+        "",
+        "Server: `vitembed serve` with the embedded backbone and server defaults (queue-delay target 2 s, "
+        "request deadline 30 s); single-image multipart requests of 640x480 JPEGs of noise. The load "
+        "generator is a separate process (asyncio, raw HTTP/1.1, keep-alive); 'busy' = one process spinning "
+        "on one core for the whole block, capacity measured with it.",
+        "",
+    ]
+    for key, cap in results["capacity"].items():
+        probes = ", ".join(f"{p['clients']}: {p['images_per_s']:.1f}/s" for p in cap["probes"])
+        lines.append(
+            f"- capacity ({key}): **{cap['images_per_s']:.1f} images/s** with C = {cap['clients']} "
+            f"clients ({probes})"
+        )
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += [table_row(s) for s in results["scenarios"]]
+    mem = results.get("memory")
+    if mem:
+        rss = mem["rss_mib"]
+        lines += [
+            "",
+            "Memory (tiny random-init model; mixed requests: 1-8 images of 64x64 to 640x480, pooling=patch "
+            f"on some, an invalid image or option on others; statuses {mem['statuses']}): RSS at start "
+            f"{rss['start']:.1f} MiB, after {mem['first']} requests {rss[str(mem['first'])]:.1f} MiB, "
+            f"after {mem['requests']} requests {rss[str(mem['requests'])]:.1f} MiB: "
+            f"**{mem['growth']:+.1%}**.",
+        ]
+    (out / "overload.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="short scenarios (a smoke run)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    parser.add_argument("--model", default="embedded=embedded", help="the served model (NAME=PATH_OR_ID)")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-overload", action="store_true")
+    args = parser.parse_args()
+    out = args.out or ROOT / "bench" / "results"
+
+    results: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "quick": args.quick,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "load_before": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+        "scenarios": [],
+        "capacity": {},
+    }
+    if not args.skip_overload:
+        results.update(overload_suite(args.model, out, args.quick))
+    if not args.skip_memory:
+        results["memory"] = memory_suite(out, args.quick)
+    results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    write_report(results, out)
+    print(f"wrote {out / 'overload.md'}")
+
+
+if __name__ == "__main__":
+    main()
