@@ -38,6 +38,11 @@ class ServiceSettings(BaseSettings):
     queue_delay_target_s: float = Field(2.0, gt=0, le=3600)
     decode_workers: int = Field(2, ge=1, le=64)
     request_timeout_s: float = Field(30.0, gt=0)
+    # connections: requests in flight before 503 server_busy; a body must arrive within body_timeout_s of the
+    # request's start (else 408); a connection must send a request head within header_timeout_s (else closed)
+    max_concurrent_requests: int = Field(512, ge=1)
+    body_timeout_s: float = Field(30.0, gt=0)
+    header_timeout_s: float = Field(10.0, gt=0)
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
     # kept only if warm-up embeddings stay within cosine 0.999 of float32

@@ -31,6 +31,17 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     ),
     "--decode-workers": ("decode_workers", int, "threads decoding and preprocessing (default 2)"),
     "--request-timeout-s": ("request_timeout_s", float, "per-request deadline, then 504 (default 30)"),
+    "--max-concurrent-requests": (
+        "max_concurrent_requests",
+        int,
+        "requests in flight before 503 server_busy (default 512)",
+    ),
+    "--body-timeout-s": ("body_timeout_s", float, "a body must arrive within this, else 408 (default 30)"),
+    "--header-timeout-s": (
+        "header_timeout_s",
+        float,
+        "a connection must send a request head within this, else it is closed (default 10)",
+    ),
     "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413"),
     "--max-images-per-request": ("max_images_per_request", int, "images per request, then 413 (default 64)"),
     "--cache-dir": (
@@ -118,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from vitembed.server.app import create_app
+        from vitembed.server.connection_limits import header_timeout_protocol
     except ImportError as exc:
         _check_service_extra(exc)
         raise
@@ -128,11 +140,13 @@ def run_serve(args: argparse.Namespace) -> int:
     # handler it found and raises the signal again: with the default handler that kills the drained process
     # (status -15). This handler turns that last step into a clean exit with status 0.
     previous = _exit_cleanly_on_sigterm()
+    protocol = header_timeout_protocol(settings.header_timeout_s)
     try:
         uvicorn.run(
             create_app(settings),
             host=settings.host,
             port=settings.port,
+            http=protocol or "auto",
             log_level=settings.log_level,
             timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
             access_log=False,

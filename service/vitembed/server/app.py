@@ -35,6 +35,7 @@ from vitembed.engine.engine import (
     RequestTicket,
 )
 from vitembed.server.auth import require_api_key
+from vitembed.server.connection_limits import BodyTimeoutMiddleware, ConcurrencyLimitMiddleware
 from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import (
     CLIENT_CLOSED,
@@ -498,6 +499,10 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     app.include_router(explore_router)
     app.include_router(page_router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        ConcurrencyLimitMiddleware, max_requests=settings.max_concurrent_requests, metrics=metrics
+    )
     known_paths = frozenset(
         str(getattr(route, "path", ""))
         for route in (

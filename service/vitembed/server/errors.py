@@ -107,6 +107,8 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "index_not_found": 404,
         "item_not_found": 404,  # an index item without a usable image (explorer thumbnails, patch similarity)
         "method_not_allowed": 405,
+        "body_timeout": 408,  # the body did not arrive within body_timeout_s (connection closed)
+        "header_timeout": 408,  # the request head did not arrive within header_timeout_s (connection closed)
         "index_changed": 409,
         "body_too_large": 413,
         "too_many_images": 413,
@@ -137,6 +139,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "internal": 500,
         "non_finite": 500,
         "not_ready": 503,
+        "server_busy": 503,  # max_concurrent_requests in flight (Retry-After: 1)
         "index_dropped": 503,
         "replica_unavailable": 503,  # Ray Serve: the replica serving the request stopped (vitembed.ray_serve)
         "deadline_exceeded": 504,

@@ -1,0 +1,155 @@
+"""Connection and request limits, so that idle, slow or too many connections cannot starve the workers.
+
+- ``ConcurrencyLimitMiddleware``: at most ``max_concurrent_requests`` requests in flight (bodies being
+  read, work queued or running); one more is answered at once with 503 ``server_busy`` and
+  ``Retry-After: 1``. The operations routes (health, readiness, metrics) are never refused.
+- ``BodyTimeoutMiddleware``: a request body must arrive whole within ``body_timeout_s`` of the request's
+  start; a body trickling in past that is answered 408 ``body_timeout`` and the connection is closed.
+  Waiting is asynchronous, so a slow upload never blocks other requests.
+- ``header_timeout_protocol``: uvicorn's httptools protocol, plus a deadline for the request head: a
+  connection that sends no complete request head within ``header_timeout_s`` of opening (or of starting a
+  request) is closed (408 if it had begun one). Idle keep-alive connections are closed by uvicorn's own
+  keep-alive timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vitembed.server.errors import ApiError, error_response, sanitise_request_id
+from vitembed.server.metrics import Metrics
+
+log = logging.getLogger("vitembed.service")
+
+EXEMPT_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ConcurrencyLimitMiddleware:
+    def __init__(self, app: ASGIApp, *, max_requests: int, metrics: Metrics) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.metrics = metrics
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_requests:
+            self.metrics.rejected.labels("concurrency").inc()
+            response = error_response(
+                scope,
+                503,
+                "server_busy",
+                f"the server is handling its limit of {self.max_requests} requests; retry in 1 s",
+                headers={"Retry-After": "1"},
+            )
+            await response(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class BodyTimeoutMiddleware:
+    def __init__(self, app: ASGIApp, *, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:  # afterwards, receive only reports a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    "body_timeout",
+                    f"the request body did not arrive within {self.timeout_s:g} s",
+                    headers={"Connection": "close"},
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[Any] | None:
+    """uvicorn's httptools protocol with a deadline on the request head (None without httptools)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # h11 only: uvicorn's own keep-alive timeout still closes idle connections
+        log.warning("httptools is not installed: no request-head timeout (pip install httptools)")
+        return None
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_begun = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_begun = True
+            if self._head_timer is None:
+                self._arm_head_timer()
+
+        def on_headers_complete(self) -> None:
+            self._disarm_head_timer()
+            self._head_begun = False
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being answered: its own limits apply
+            if self._head_begun:
+                body = json.dumps(
+                    {
+                        "error": {
+                            "code": "header_timeout",
+                            "message": f"the request head did not arrive within {header_timeout_s:g} s",
+                            "request_id": sanitise_request_id(None),
+                        }
+                    }
+                ).encode()
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+            self.transport.close()
+
+    return HeaderTimeoutProtocol
