@@ -180,6 +180,8 @@ ERROR_CODES: Mapping[str, type[APIError]] = {
     "index_not_found": NotFoundError,
     "item_not_found": NotFoundError,
     "method_not_allowed": MethodNotAllowedError,
+    "body_timeout": RequestTimeoutError,
+    "header_timeout": RequestTimeoutError,
     "index_changed": ConflictError,
     "body_too_large": PayloadTooLargeError,
     "too_many_images": PayloadTooLargeError,
@@ -210,6 +212,7 @@ ERROR_CODES: Mapping[str, type[APIError]] = {
     "not_ready": ServiceUnavailableError,
     "index_dropped": ServiceUnavailableError,
     "replica_unavailable": ServiceUnavailableError,
+    "server_busy": ServiceUnavailableError,
     "deadline_exceeded": GatewayTimeoutError,
     # Ray Serve's proxy, plain-text bodies (see SERVE_BODIES)
     "serve_backpressure": APIError,  # 503 by default, 429 with backpressure_config.status_code: 429
