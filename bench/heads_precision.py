@@ -30,9 +30,11 @@ from vit_backbone import Backbone, load_backbone
 from vit_backbone.heads.knn import fit_knn, knn_proba
 from vit_backbone.heads.linear import fit_softmax
 from vit_backbone.heads.train import split
+from vit_backbone.pooling import Pooling
 from vit_backbone.preprocess import stack
 
-POOLING, LAYERS = "mean", [8]  # the embedded backbone's defaults
+POOLING: Pooling = "mean"  # the embedded backbone's defaults
+LAYERS = [8]
 
 
 def features(bb: Backbone, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
