@@ -66,6 +66,12 @@ def replica_settings(values: Mapping[str, Any], max_ongoing_requests: int) -> Se
             f"{settings.max_images_per_request}); Serve sheds load in this deployment: set queue_size >= "
             f"{need} or lower max_ongoing_requests"
         )
+    if settings.max_concurrent_requests < max_ongoing_requests:
+        raise ValueError(
+            f"settings.max_concurrent_requests={settings.max_concurrent_requests} is under Serve's "
+            f"max_ongoing_requests={max_ongoing_requests}: the replica would answer 503 server_busy to work "
+            f"Serve admitted; set max_concurrent_requests >= {max_ongoing_requests}"
+        )
     if "queue_delay_target_s" not in values:
         update["queue_delay_target_s"] = settings.request_timeout_s
     elif settings.queue_delay_target_s < settings.request_timeout_s:

@@ -230,6 +230,8 @@ def test_replica_settings_make_the_replica_admit_what_serve_hands_it() -> None:
     assert (settings.queue_size, settings.queue_delay_target_s) == (8 * 64, 20.0)
     with pytest.raises(ValueError, match="set queue_size >= 128"):
         replica_settings({"max_images_per_request": 16, "queue_size": 64}, max_ongoing_requests=8)
+    with pytest.raises(ValueError, match="set max_concurrent_requests >= 8"):
+        replica_settings({"max_concurrent_requests": 4}, max_ongoing_requests=8)
     with pytest.raises(ValueError, match="drop queue_delay_target_s"):
         replica_settings({"queue_delay_target_s": 1.0, "request_timeout_s": 30}, max_ongoing_requests=8)
 
