@@ -62,6 +62,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_ray() -> None:
+    """A local cluster; started a second time if the first start timed out (Ray waits a fixed 30 s for its
+    raylet, which a machine busy with other work can miss)."""
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as exc:
+            ray.shutdown()
+            if attempt or "timed out during startup" not in str(exc):
+                raise
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tiny_checkpoints: dict[str, Path]) -> Path:
     return tiny_checkpoints["dinov2"]
@@ -77,7 +90,7 @@ def app(tiny_path: Path) -> Iterator[ServeApp]:
     previous = os.environ.get(PROXY_CALLBACK)
     os.environ[PROXY_CALLBACK] = "vitembed.ray_serve:proxy_middlewares"  # the cluster's processes inherit it
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray()
     try:
         serve.start(http_options={"host": HOST, "port": port})
         settings = {
