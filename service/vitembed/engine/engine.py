@@ -24,6 +24,7 @@ from PIL import Image
 
 from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
+from vit_backbone.cpu_quota import available_cpus
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
 from vit_backbone.pooling import check_pooling
@@ -156,8 +157,12 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Load every model, choose its precision, and run a real forward pass before reporting ready."""
-        if self.settings.torch_threads:
-            torch.set_num_threads(self.settings.torch_threads)
+        # an explicit setting wins; otherwise the CPUs this process may use (affinity, cgroup quota), not the
+        # host's core count torch sees by default (`--cpus 1` in a container -> 1 thread)
+        threads = self.settings.torch_threads or available_cpus()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        log.info("torch threads: %d", threads)
         device = pick_device(self.settings.device)
         for name, target in self.settings.models.items():
             started = time.monotonic()
