@@ -4,6 +4,7 @@ building a client loads neither torch, transformers nor fastapi."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -29,8 +30,11 @@ def test_the_client_installs_and_imports_without_torch_transformers_or_fastapi(t
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
     python = env_dir / ("Scripts" if sys.platform == "win32" else "bin") / "python"
+    source = tmp_path / "client"  # a copy: the build leaves nothing in the repository
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT / "client", source, ignore=skip)
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT / "client")],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source)],
         capture_output=True,
         text=True,
         timeout=600,

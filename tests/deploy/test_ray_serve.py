@@ -65,6 +65,7 @@ def _free_port() -> int:
 def start_ray() -> None:
     """A local cluster; started a second time if the first start timed out (Ray waits a fixed 30 s for its
     raylet, which a machine busy with other work can miss)."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")  # the raylet waits for its agents
     for attempt in range(2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
