@@ -301,6 +301,9 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                 capacity, c, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
                 key = "busy" if with_neighbour else "quiet"
                 results["capacity"][key] = {"images_per_s": capacity, "clients": c, "probes": tried}
+                if capacity <= 0:
+                    print("  no request finished within a probe: the machine is too busy to measure")
+                    continue
                 runs: list[tuple[str, str, list[Group]]] = [
                     (
                         f"closed {n}C",

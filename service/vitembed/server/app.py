@@ -45,6 +45,7 @@ from vitembed.server.errors import (
     install_error_handlers,
 )
 from vitembed.server.metrics import Metrics
+from vitembed.server.openapi import make_contract
 from vitembed.server.schemas import (
     EmbedJsonRequest,
     EmbedQuery,
@@ -437,6 +438,7 @@ def _openapi_with_body_schemas(app: FastAPI) -> dict[str, Any]:
         ref_template="#/components/schemas/{model}",
     )
     schema.setdefault("components", {}).setdefault("schemas", {}).update(extra.get("$defs", {}))
+    schema = make_contract(schema, app.state.settings)
     app.openapi_schema = schema
     return schema
 

@@ -118,6 +118,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "invalid_option": 422,
         "invalid_size": 422,
         "dimensions_unsupported": 422,
+        "modality_unsupported": 422,  # /v1/embeddings "modality" other than "image" (infinity's field)
         "dtype_overflow": 422,
         "heads_need_json": 422,
         "head_required": 422,

@@ -191,6 +191,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: Encoding = "float"
     dimensions: int | None = Field(None, description="not supported: a backbone's width is fixed")
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
+    modality: Literal["image"] | None = Field(None, description="image (infinity's field); text is refused")
 
 
 class OpenAIEmbedding(BaseModel):
@@ -451,6 +452,15 @@ def merge_into(model: type[OptionsT], query: Mapping[str, Any], body: Mapping[st
 
 def parse_openai(body: bytes, max_images: int) -> tuple[OpenAIEmbeddingRequest, list[bytes]]:
     payload = parse_json_body(body)
+    modality = payload.get("modality")
+    if modality is not None and modality != "image":
+        shown = modality[:32] if isinstance(modality, str) else type(modality).__name__
+        raise ApiError(
+            422,
+            "modality_unsupported",
+            f"modality {shown!r} is not served: these models embed images only; send images as "
+            'data:image/...;base64, URIs with "modality": "image" (or leave modality out)',
+        )
     raw_input = payload.get("input")
     if isinstance(raw_input, list):
         check_image_count(len(raw_input), max_images)
