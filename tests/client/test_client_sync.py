@@ -134,7 +134,8 @@ def test_past_the_deadline_the_typed_429_surfaces(flood_server: ServerProcess, p
     assert refused, outcomes
     assert all(isinstance(o, np.ndarray | RateLimitError) for o in outcomes), outcomes
     error = refused[0]
-    assert (error.status, error.code, error.attempts) == (429, "queue_full", 1)
+    assert (error.status, error.attempts) == (429, 1)
+    assert error.code in ("queue_full", "overloaded")  # the admission's reasons for a full queue
     assert error.retry_after is not None and error.retry_after >= 1
     assert error.request_id and error.request_id == error.headers["x-request-id"]
 
