@@ -190,6 +190,7 @@ ERROR_CODES: Mapping[str, type[APIError]] = {
     "invalid_option": UnprocessableEntityError,
     "invalid_size": UnprocessableEntityError,
     "dimensions_unsupported": UnprocessableEntityError,
+    "modality_unsupported": UnprocessableEntityError,
     "dtype_overflow": UnprocessableEntityError,
     "heads_need_json": UnprocessableEntityError,
     "head_required": UnprocessableEntityError,
