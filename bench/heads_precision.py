@@ -4,37 +4,48 @@ A head is trained on float32 features; ``vitembed serve`` with the default ``--p
 bf16-capable CPU in bfloat16 autocast. This script trains a linear probe and a kNN head on float32
 features of Fashion-MNIST training images (embedded backbone, defaults: ``mean`` of block 8) and compares
 their probabilities on test images embedded in float32 and in bfloat16: max and mean absolute difference,
-argmax agreement. Writes ``bench/results/heads_precision.md`` and ``.json``.
+argmax agreement. Writes ``bench/results/heads_precision.md`` and ``.json`` (``--quick``: 60 / 30 images,
+into a temporary folder).
 
-    python bench/heads_precision.py [--train 600] [--test 300]
+    python -m bench.heads_precision [--quick] [--out DIR] [--train 600] [--test 300]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from heads_quality import CLASSES, RESULTS, bench_lock, load
-
+from bench.common.fashion import CLASSES, sample
+from bench.common.machine import bench_lock, machine_info
+from bench.common.report import add_output_options, output_dir, quick_note, write_report
 from vit_backbone import Backbone, load_backbone
 from vit_backbone.heads.knn import fit_knn, knn_proba
 from vit_backbone.heads.linear import fit_softmax
 from vit_backbone.heads.train import split
 from vit_backbone.pooling import Pooling
+from vit_backbone.precision import min_cosine
 from vit_backbone.preprocess import stack
 
 POOLING: Pooling = "mean"  # the embedded backbone's defaults
 LAYERS = [8]
+
+
+@dataclass
+class PrecisionResults:
+    quick: bool
+    command: str
+    backbone: str
+    machine: dict[str, Any]
+    seconds: float  # embedding the three sets
+    feature_cosine_min: float
+    linear: dict[str, float]
+    knn: dict[str, float]
 
 
 def features(bb: Backbone, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
@@ -55,23 +66,17 @@ def compare(exact: np.ndarray, low: np.ndarray) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=600)
-    parser.add_argument("--test", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def measure(args: argparse.Namespace) -> PrecisionResults:
     torch.manual_seed(args.seed)
-    x_train_img, y_train = load("train", args.train, args.seed)
-    x_test_img, _ = load("t10k", args.test, args.seed)
-    with bench_lock():
-        bb = load_backbone("embedded")
-        started = time.perf_counter()
-        x_train = features(bb, x_train_img)  # float32: how heads are trained
-        x_test = features(bb, x_test_img)
-        bb.autocast = torch.bfloat16
-        x_test_bf16 = features(bb, x_test_img)
-        seconds = time.perf_counter() - started
+    x_train_img, y_train = sample("train", args.train, args.seed)
+    x_test_img, _ = sample("t10k", args.test, args.seed)
+    bb = load_backbone("embedded")
+    started = time.perf_counter()
+    x_train = features(bb, x_train_img)  # [n, 384] float32: how heads are trained
+    x_test = features(bb, x_test_img)
+    bb.autocast = torch.bfloat16
+    x_test_bf16 = features(bb, x_test_img)
+    seconds = time.perf_counter() - started
     train, val = split(y_train, 0.2, args.seed)
     linear = fit_softmax(x_train[train], y_train[train], x_train[val], y_train[val], len(CLASSES))
     knn = fit_knn(x_train[train], y_train[train], x_train[val], y_train[val], len(CLASSES))
@@ -83,41 +88,56 @@ def main() -> None:
         queries = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)  # [n, F]
         return knn_proba(queries, knn.bank, knn.labels, len(CLASSES), knn.k).numpy()  # [n, C]
 
-    report: dict[str, Any] = {
-        "command": f"python bench/heads_precision.py --train {args.train} --test {args.test}",
-        "backbone": bb.checkpoint.revision,
-        "machine": f"{platform.machine()}, torch {torch.__version__}",
-        "seconds": round(seconds, 1),
-        "feature_cosine_min": float(
-            (
-                (x_test * x_test_bf16).sum(1)
-                / (np.linalg.norm(x_test, axis=1) * np.linalg.norm(x_test_bf16, axis=1))
-            ).min()
-        ),
-        "linear": compare(linear_proba(x_test), linear_proba(x_test_bf16)),
-        "knn": compare(knn_probabilities(x_test), knn_probabilities(x_test_bf16)),
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "heads_precision.json").write_text(json.dumps(report, indent=2) + "\n")
+    return PrecisionResults(
+        quick=args.quick,
+        command=f"python -m bench.heads_precision --train {args.train} --test {args.test}",
+        backbone=bb.checkpoint.revision,
+        machine=machine_info(),
+        seconds=round(seconds, 1),
+        feature_cosine_min=min_cosine(x_test, x_test_bf16),
+        linear=compare(linear_proba(x_test), linear_proba(x_test_bf16)),
+        knn=compare(knn_probabilities(x_test), knn_probabilities(x_test_bf16)),
+    )
+
+
+def render(results: PrecisionResults, train: int, test: int) -> str:
+    m = results.machine
     lines = [
         "# Head probabilities: bfloat16 autocast features vs float32",
         "",
-        f"`{report['command']}` — heads trained on float32 features ({POOLING}, block 8) of {args.train} "
-        f"Fashion-MNIST training images; {args.test} test images embedded in float32 and in bfloat16 "
-        f"autocast (embedded backbone `{report['backbone']}`; {report['machine']}). Min feature cosine "
-        f"{report['feature_cosine_min']:.5f}.",
+        *quick_note(results.quick),
+        f"`{results.command}` — heads trained on float32 features ({POOLING}, block 8) of {train} "
+        f"Fashion-MNIST training images; {test} test images embedded in float32 and in bfloat16 "
+        f"autocast (embedded backbone `{results.backbone}`; {m['cpu']}, torch {m['torch']}). Min feature "
+        f"cosine {results.feature_cosine_min:.5f}.",
         "",
         "| head | max abs difference | mean abs difference | argmax agreement |",
         "|---|---|---|---|",
     ]
-    for kind in ("linear", "knn"):
-        row = report[kind]
+    for kind, row in (("linear", results.linear), ("knn", results.knn)):
         lines.append(
             f"| {kind} | {row['max_abs']:.1e} | {row['mean_abs']:.1e} | {row['argmax_agreement']:.3f} |"
         )
-    (RESULTS / "heads_precision.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.heads_precision", description=__doc__.splitlines()[0]
+    )
+    add_output_options(parser)
+    parser.add_argument("--train", type=int, default=None, help="training images (default 600; --quick 60)")
+    parser.add_argument("--test", type=int, default=None, help="test images (default 300; --quick 30)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.train = args.train or (60 if args.quick else 600)
+    args.test = args.test or (30 if args.quick else 300)
+    out = output_dir(args, "heads_precision")
+    with bench_lock("heads_precision", enabled=not args.quick):
+        results = measure(args)
+    write_report(out, "heads_precision", results, render(results, args.train, args.test))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

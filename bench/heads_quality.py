@@ -9,83 +9,38 @@ Feature sets, all from ONE forward pass per batch (``Backbone.pooled_many``): th
 patch token of block 8), ``cls_mean`` of block 8, and DINOv2's linear-evaluation input (CLS of blocks 8–11 +
 mean patch of block 11). Heads: ``fit_softmax`` (the linear probe behind ``--kind linear``) and ``fit_knn``
 (``--kind knn``: cosine, k chosen from 10/20/50/100/200, T = 0.07). Baseline: the same logistic regression
-and kNN on the raw 784 pixels. Writes ``bench/results/heads.json`` and ``heads.md``; holds
-``/tmp/vitembed_bench.lock`` while it runs (waiting for another benchmark's lock first).
+and kNN on the raw 784 pixels. Writes ``bench/results/heads.json`` and ``heads.md`` (``--quick``: 60 /
+40 images, into a temporary folder); holds ``/tmp/vitembed_bench.lock`` while it runs (waiting for another
+benchmark's lock first).
 
-    python bench/heads_quality.py                 # 5,000 train / 2,000 test, ≈ 15 min on 2 cores
+    python -m bench.heads_quality [--quick] [--out DIR]   # 5,000 train / 2,000 test, ≈ 15 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import signal
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import FASHION_DIR, read_idx
-
+from bench.common.fashion import CLASSES, sample
+from bench.common.machine import bench_lock, machine_info
+from bench.common.report import add_output_options, output_dir, quick_note, write_report
 from vit_backbone import load_backbone
 from vit_backbone.heads.knn import fit_knn, knn_proba
 from vit_backbone.heads.linear import fit_softmax
 from vit_backbone.heads.train import split
 from vit_backbone.preprocess import stack
 
-LOCK = Path("/tmp/vitembed_bench.lock")
-RESULTS = Path(__file__).resolve().parent / "results"
-CLASSES = (
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-)
 FEATURES: dict[str, tuple[Any, list[int]]] = {
     "mean, block 8 (default)": ("mean", [8]),
     "cls_mean, block 8": ("cls_mean", [8]),
     "linear_eval, blocks 8-11": ("linear_eval", [8, 9, 10, 11]),
 }
-
-
-@contextmanager
-def bench_lock() -> Iterator[None]:
-    while True:
-        try:
-            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            print(f"waiting for {LOCK} (another benchmark is running)", flush=True)
-            time.sleep(30)
-    os.write(fd, f"heads_quality pid {os.getpid()}\n".encode())
-    os.close(fd)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # run the finally below
-    try:
-        yield
-    finally:
-        LOCK.unlink(missing_ok=True)
-
-
-def load(split_name: str, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    images = read_idx(FASHION_DIR / f"{split_name}-images-idx3-ubyte.gz")  # [N, 28, 28] uint8
-    labels = read_idx(FASHION_DIR / f"{split_name}-labels-idx1-ubyte.gz").astype(np.int64)  # [N]
-    chosen = np.random.default_rng(seed).permutation(len(labels))[:count]
-    return images[chosen], labels[chosen]
 
 
 def embed(images: np.ndarray, batch_size: int) -> tuple[dict[str, np.ndarray], float, str]:
@@ -135,22 +90,67 @@ def evaluate(
     return result
 
 
-def markdown(report: dict[str, Any]) -> str:
-    setup = report["setup"]
+@dataclass
+class HeadsResults:
+    """Test accuracy per feature set and head; ``setup`` says what was embedded and how."""
+
+    quick: bool
+    machine: dict[str, Any]
+    setup: dict[str, Any]
+    rows: dict[str, dict[str, Any]]
+
+
+def measure(args: argparse.Namespace) -> HeadsResults:
+    train_images, train_labels = sample("train", args.train, args.seed)
+    test_images, test_labels = sample("t10k", args.test, args.seed)
+    print(f"embedding {args.train} + {args.test} images", flush=True)
+    all_images = np.concatenate([train_images, test_images])  # [train + test, 28, 28]
+    features, seconds, revision = embed(all_images, args.batch_size)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, x in features.items():
+        print(f"fitting heads on {name} ({x.shape[1]} dims)", flush=True)
+        rows[name] = {
+            "dim": int(x.shape[1]),
+            **evaluate(x[: args.train], train_labels, x[args.train :], test_labels, args.seed),
+        }
+    pixels = all_images.reshape(len(all_images), -1).astype(np.float32) / 255  # [train + test, 784]
+    print("fitting heads on raw pixels", flush=True)
+    rows["raw pixels (28x28 = 784)"] = {
+        "dim": 784,
+        **evaluate(pixels[: args.train], train_labels, pixels[args.train :], test_labels, args.seed),
+    }
+    held_out = len(split(train_labels, 0.2, args.seed)[1])
+    setup = {
+        "train": args.train,
+        "test": args.test,
+        "fit": args.train - held_out,
+        "held_out": held_out,
+        "seed": args.seed,
+        "revision": revision,
+        "embed_seconds": seconds,
+        "images_per_s": (args.train + args.test) / seconds,
+    }
+    return HeadsResults(args.quick, machine_info(), setup, rows)
+
+
+def render(results: HeadsResults) -> str:
+    setup, m = results.setup, results.machine
     lines = [
         "# Frozen heads on Fashion-MNIST",
         "",
-        f"`python bench/heads_quality.py --train {setup['train']} --test {setup['test']}` — "
+        *quick_note(results.quick),
+        f"`python -m bench.heads_quality --train {setup['train']} --test {setup['test']}` — "
         f"{setup['train']} images from the training set ({setup['fit']} fitted, {setup['held_out']} held out "
         f"to choose the weight decay / k), {setup['test']} from the test set; embedded backbone "
         f"(`{setup['revision']}`), defaults (policy `pad`, 224 px), float32; {setup['embed_seconds']:.0f} s "
         f"to embed {setup['train'] + setup['test']} images ({setup['images_per_s']:.1f} images/s, all three "
-        f"feature sets from one forward pass); {setup['machine']}.",
+        f"feature sets from one forward pass); {m['cpu']}, {m['cores']} CPUs, torch {m['torch']}, load "
+        f"average at start {m['load_average']}.",
         "",
         "| features | dim | linear probe | kNN (k) |",
         "|---|---|---|---|",
     ]
-    for name, row in report["rows"].items():
+    for name, row in results.rows.items():
         lines.append(
             f"| {name} | {row['dim']} | {row['linear']['test_accuracy']:.3f} | "
             f"{row['knn']['test_accuracy']:.3f} ({row['knn']['k']}) |"
@@ -164,62 +164,31 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"With {setup['test']} test images one accuracy has a standard error of about "
         f"{np.sqrt(0.85 * 0.15 / setup['test']):.3f}.",
-        "",
     ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=5_000)
-    parser.add_argument("--test", type=int, default=2_000)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.heads_quality", description=__doc__.splitlines()[0]
+    )
+    add_output_options(parser)
+    parser.add_argument("--train", type=int, default=None, help="training images (default 5000; --quick 60)")
+    parser.add_argument("--test", type=int, default=None, help="test images (default 2000; --quick 40)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.train = args.train or (60 if args.quick else 5_000)
+    args.test = args.test or (40 if args.quick else 2_000)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train_images, train_labels = load("train", args.train, args.seed)
-    test_images, test_labels = load("t10k", args.test, args.seed)
-    with bench_lock():
-        print(f"embedding {args.train} + {args.test} images", flush=True)
-        features, seconds, revision = embed(np.concatenate([train_images, test_images]), args.batch_size)
-        rows: dict[str, Any] = {}
-        for name, x in features.items():
-            print(f"fitting heads on {name} ({x.shape[1]} dims)", flush=True)
-            rows[name] = {
-                "dim": int(x.shape[1]),
-                **evaluate(x[: args.train], train_labels, x[args.train :], test_labels, args.seed),
-            }
-        pixels = (
-            np.concatenate([train_images, test_images]).reshape(args.train + args.test, -1).astype(np.float32)
-            / 255
-        )
-        print("fitting heads on raw pixels", flush=True)
-        rows["raw pixels (28x28 = 784)"] = {
-            "dim": 784,
-            **evaluate(pixels[: args.train], train_labels, pixels[args.train :], test_labels, args.seed),
-        }
-    held_out = len(split(train_labels, 0.2, args.seed)[1])
-    report = {
-        "setup": {
-            "train": args.train,
-            "test": args.test,
-            "fit": args.train - held_out,
-            "held_out": held_out,
-            "seed": args.seed,
-            "revision": revision,
-            "embed_seconds": seconds,
-            "images_per_s": (args.train + args.test) / seconds,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-        },
-        "rows": rows,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "heads.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "heads.md").write_text(markdown(report))
-    print(markdown(report))
+    out = output_dir(args, "heads")
+    with bench_lock("heads_quality", enabled=not args.quick):
+        results = measure(args)
+    write_report(out, "heads", results, render(results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -31,6 +31,13 @@ BENCHES: dict[str, tuple[str, set[str], bool]] = {
         {"machine", "quick", "images", "forward_before", "forward_best", "catalog_runs", "forward_reference"},
         False,
     ),
+    "search_bench": ("search", {"machine", "quick", "rows", "build_s", "exact", "ann"}, False),
+    "heads_quality": ("heads", {"machine", "quick", "setup", "rows"}, True),
+    "heads_precision": (
+        "heads_precision",
+        {"machine", "quick", "feature_cosine_min", "linear", "knn"},
+        True,
+    ),
 }
 
 
