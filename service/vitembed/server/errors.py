@@ -14,6 +14,8 @@ invalid base64 or data URI, image bytes ``empty``,
 missing or wrong bearer token                                     401
 unknown model, unknown route                                      404
 method not allowed                                                405
+the body (``body_timeout``) or the request head (``header_timeout``) 408
+did not arrive in time; the connection is closed
 body over ``max_body_bytes``, too many images, image ``too_large``  413
 wrong Content-Type, image ``unsupported_format``                  415
 options that cannot be honoured (pooling, layers, size, policy,   422
@@ -27,7 +29,8 @@ deadline, e.g. a short ``X-Request-Timeout``)
 client closed the connection before the answer (never seen by     499
 the client; counted in the metrics)
 internal error, model output not finite (``non_finite``)          500
-models loading or a model worker stopped                          503
+models loading or a model worker stopped; ``server_busy``:        503
+``max_concurrent_requests`` in flight (``Retry-After: 1``)
 request deadline (``request_timeout_s`` or ``X-Request-Timeout``) 504
 passed
 =============================================================  ======
