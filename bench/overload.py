@@ -54,6 +54,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
 LOADGEN = Path(__file__).resolve().parent / "overload_loadgen.py"
+TORCH_THREADS: int | None = None  # --torch-threads: the server's (default: its own choice)
 DEADLINE_S = 30.0  # the server's default request_timeout_s: a 200 after it is not goodput
 
 
@@ -80,6 +81,8 @@ def cpu_seconds(pid: int) -> float:
 def server(model: str, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITEMBED_")}
+    if TORCH_THREADS:
+        env["VITEMBED_TORCH_THREADS"] = str(TORCH_THREADS)
     command = [sys.executable, "-m", "vitembed", "serve", "--model", model, "--port", str(port), *flags]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -457,7 +460,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     lines = [
         "# Overload benchmark (`bench/overload.py`)",
         "",
-        f"Run: {results['when']}, {kind}; machine: {results['machine']}; load average before / after: "
+        f"Run: {results['when']}, {kind}; server torch threads: {results.get('torch_threads') or 'default'}; "
+        f"machine: {results['machine']}; load average before / after: "
         f"{results['load_before']} / {results['load_after']}.",
         "",
         "Server: `vitembed serve` with the embedded backbone and server defaults (queue-delay target 2 s, "
@@ -495,14 +499,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short scenarios (a smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--model", default="embedded=embedded", help="the served model (NAME=PATH_OR_ID)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="the server's torch threads (default: its own); 1 avoids OpenMP barriers on a crowded machine",
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-overload", action="store_true")
     args = parser.parse_args()
     out = args.out or ROOT / "bench" / "results"
+    global TORCH_THREADS
+    TORCH_THREADS = args.torch_threads
 
     results: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "quick": args.quick,
+        "torch_threads": args.torch_threads,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_before": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
         "scenarios": [],

@@ -140,10 +140,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # handler it found and raises the signal again: with the default handler that kills the drained process
     # (status -15). This handler turns that last step into a clean exit with status 0.
     previous = _exit_cleanly_on_sigterm()
-    protocol = header_timeout_protocol(settings.header_timeout_s)
+    app = create_app(settings)
+    protocol = header_timeout_protocol(settings.header_timeout_s, gate=app.state.admission_gate)
     try:
         uvicorn.run(
-            create_app(settings),
+            app,
             host=settings.host,
             port=settings.port,
             http=protocol or "auto",

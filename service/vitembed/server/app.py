@@ -37,6 +37,7 @@ from vitembed.engine.engine import (
 from vitembed.server.auth import require_api_key
 from vitembed.server.connection_limits import BodyTimeoutMiddleware, ConcurrencyLimitMiddleware
 from vitembed.server.deadlines import budget_s, request_deadline
+from vitembed.server.early_refusal import AdmissionGate
 from vitembed.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -455,11 +456,13 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     )
 
     metrics = engine.metrics if engine is not None else Metrics()
+    gate = AdmissionGate(settings, metrics)  # refusals on the request head (vitembed serve's protocol)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
             app.state.engine = engine
+            gate.engine = engine
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, engine)
             try:
                 yield
@@ -473,6 +476,7 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
             owned.stop()
             raise
         app.state.engine = owned
+        gate.engine = owned
         try:
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, owned)
             try:
@@ -481,6 +485,7 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
                 app.state.indexes.close()
         finally:
             app.state.engine = None
+            gate.engine = None
             await asyncio.to_thread(owned.stop)
 
     app = FastAPI(
@@ -491,6 +496,7 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.admission_gate = gate
     app.state.engine = None
     app.state.started_at = time.time()
     install_error_handlers(app)

@@ -9,7 +9,8 @@
 - ``header_timeout_protocol``: uvicorn's httptools protocol, plus a deadline for the request head: a
   connection that sends no complete request head within ``header_timeout_s`` of opening (or of starting a
   request) is closed (408 if it had begun one). Idle keep-alive connections are closed by uvicorn's own
-  keep-alive timeout.
+  keep-alive timeout. With a gate (``early_refusal.AdmissionGate``) it also answers admission refusals
+  on the request head, before any ASGI task exists.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -91,9 +93,14 @@ class BodyTimeoutMiddleware:
         await self.app(scope, timed_receive, send)
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[Any] | None:
-    """uvicorn's httptools protocol with a deadline on the request head (None without httptools)."""
+Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
+
+
+def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -> type[Any] | None:
+    """uvicorn's httptools protocol with a deadline on the request head and, with ``gate``, refusals
+    answered on the request head (``early_refusal.AdmissionGate``); None without httptools."""
     try:
+        import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # h11 only: uvicorn's own keep-alive timeout still closes idle connections
         log.warning("httptools is not installed: no request-head timeout (pip install httptools)")
@@ -102,6 +109,8 @@ def header_timeout_protocol(header_timeout_s: float) -> type[Any] | None:
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _head_begun = False
+        _discarding = False  # a request answered on its head: its body is read and dropped
+        _close_after = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -116,7 +125,42 @@ def header_timeout_protocol(header_timeout_s: float) -> type[Any] | None:
         def on_headers_complete(self) -> None:
             self._disarm_head_timer()
             self._head_begun = False
+            if gate is not None and self._answered_on_head():
+                return
             super().on_headers_complete()
+
+        def _answered_on_head(self) -> bool:
+            assert gate is not None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return False  # a pipelined request: the app answers in order
+            if self.parser.get_method() != b"POST":
+                return False
+            parsed = httptools.parse_url(self.url)
+            answer = gate(parsed.path.decode("latin-1"), parsed.query or b"", self.headers)
+            if answer is None:
+                return False
+            self._discarding = True
+            self._close_after = self.expect_100_continue or not self.parser.should_keep_alive()
+            self.transport.write(answer)
+            if self.expect_100_continue:  # the client waits for us before sending a body: none will come
+                self.transport.close()
+            return True
+
+        def on_body(self, body: bytes) -> None:
+            if not self._discarding:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._discarding:
+                super().on_message_complete()
+                return
+            self._discarding = False
+            if self._close_after:
+                self.transport.close()
+            elif not self.transport.is_closing():
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
