@@ -8,6 +8,7 @@ interpolation rule, preprocessing hash).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,7 @@ from .loading import (
 )
 from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_dim
 from .pos_embed import PositionTableCache
-from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack
+from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack, stack_valid
 from .specs import FamilySpec, InterpolationRule, ResampleMethod
 
 ImageInput = Image.Image | bytes
@@ -52,6 +53,7 @@ class EmbedResult:
 
     vectors: np.ndarray  # [B, F] float32, or [B, h, w, F] for pooling="patch"
     grids: list[tuple[int, int]]  # effective patch grid per input image
+    valid: list[np.ndarray]  # [h, w] float32 per image: image fraction of each patch (pad's letterbox: 0)
     model: str
     revision: str
     preprocess_hash: str
@@ -140,6 +142,9 @@ class Backbone:
         self._blocks_owner, self._blocks_name = _find_blocks(model, self.depth)
         self._forward_lock = threading.Lock()  # early-exit hooks live on shared blocks: one forward at a time
         self._positions: PositionTableCache | None = None
+        # per image (rows, cols) of the image inside a letterboxed grid, set for one forward under the lock
+        self._image_boxes: list[tuple[int, int, int, int] | None] | None = None
+        self._takes_attention_mask = "attention_mask" in inspect.signature(model.forward).parameters
         if spec.pos_embed == "learned":
             self._install_position_rule()
 
@@ -161,7 +166,11 @@ class Backbone:
 
         def interpolate_pos_encoding(embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
             grid = (int(height) // patch_h, int(width) // patch_w)
-            return positions.get(grid, dtype=embeddings.dtype, device=embeddings.device)  # [1, P + h*w, D]
+            table = positions.get(grid, dtype=embeddings.dtype, device=embeddings.device)  # [1, P + h*w, D]
+            boxes = self._image_boxes
+            if boxes is None or len(boxes) != embeddings.shape[0]:
+                return table
+            return letterbox_positions(positions, table, grid, boxes)  # [B, P + h*w, D]
 
         embeddings_module = _get_attr(self.model, "embeddings")
         embeddings_module.interpolate_pos_encoding = interpolate_pos_encoding
@@ -213,8 +222,29 @@ class Backbone:
             )
         return height // patch_h, width // patch_w
 
+    @contextlib.contextmanager
+    def _letterbox(self, valid: torch.Tensor | None, kwargs: dict[str, Any]) -> Iterator[None]:
+        """Inside the forward lock: letterbox tokens are masked out of attention (families whose model takes
+        an attention mask) and image patches get the positions of the image's own grid, so a letterboxed
+        image is seen as if it were the whole input whatever the box around it."""
+        if valid is None:
+            yield
+            return
+        covered = valid > 0  # [B, h, w]
+        if self._takes_attention_mask:
+            prefix = torch.ones(covered.shape[0], self.prefix_tokens, dtype=torch.long)
+            kwargs["attention_mask"] = torch.cat([prefix, covered.flatten(1).long()], dim=1).to(self.device)
+        self._image_boxes = [image_box(m) for m in covered]
+        try:
+            yield
+        finally:
+            self._image_boxes = None
+
     @torch.inference_mode()
-    def features(self, pixel_values: torch.Tensor, *, layers: LayersArg = None) -> Features:
+    def features(
+        self, pixel_values: torch.Tensor, *, layers: LayersArg = None, valid: torch.Tensor | None = None
+    ) -> Features:
+        """Tokens of one forward pass; ``valid`` [B, h, w] (``stack_valid``) marks the image patches."""
         if pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
             raise InvalidOptionError(f"pixel_values must be [B, 3, H, W], got {list(pixel_values.shape)}")
         grid = self.check_pixel_size(int(pixel_values.shape[2]), int(pixel_values.shape[3]))
@@ -223,11 +253,11 @@ class Backbone:
         kwargs: dict[str, Any] = {"output_hidden_states": True}
         if self.spec.needs_interpolate_flag:
             kwargs["interpolate_pos_encoding"] = True
-        with self._forward_lock, self._autocast():
+        with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
             out = self.model(pixel_values, **kwargs)
             hidden = out.hidden_states  # L+1 x [B, P + h*w, D]; [0] is the embedding output
-            last = self._split(self._final_norm(hidden[-1]), grid)
-            per_layer = {i: self._split(self._final_norm(hidden[i + 1]), grid) for i in chosen}
+            last = self._split(self._final_norm(hidden[-1]), grid, valid)
+            per_layer = {i: self._split(self._final_norm(hidden[i + 1]), grid, valid) for i in chosen}
         pooler = getattr(out, "pooler_output", None)
         return Features(
             cls=last.cls,
@@ -235,10 +265,13 @@ class Backbone:
             patches=last.patches,
             pooler=pooler,
             layers=per_layer,
+            valid=last.valid,
         )
 
     @torch.inference_mode()
-    def layer_features(self, pixel_values: torch.Tensor, layers: LayersArg) -> dict[int, LayerTokens]:
+    def layer_features(
+        self, pixel_values: torch.Tensor, layers: LayersArg, *, valid: torch.Tensor | None = None
+    ) -> dict[int, LayerTokens]:
         """Only the requested blocks' tokens (through the final norm), running the network no deeper than
         the deepest of them: block 8 of 12 costs 9/12 of a full forward pass."""
         chosen = self.resolve_layers(layers)
@@ -269,36 +302,54 @@ class Backbone:
         with self._forward_lock:
             handles = [blocks[i].register_forward_hook(capture(i)) for i in set(chosen)]
             try:
-                with self._autocast(), contextlib.suppress(_StopForward):
+                with self._autocast(), contextlib.suppress(_StopForward), self._letterbox(valid, kwargs):
                     self.model(pixel_values, **kwargs)
             finally:
                 for handle in handles:
                     handle.remove()
             with self._autocast():
-                return {i: self._split(self._final_norm(captured[i]), grid) for i in chosen}
+                return {i: self._split(self._final_norm(captured[i]), grid, valid) for i in chosen}
 
-    def pooled(self, pixel_values: torch.Tensor, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
+    def pooled(
+        self,
+        pixel_values: torch.Tensor,
+        pooling: Pooling,
+        layers: list[int] | None,
+        *,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One forward pass to one pooled feature per image ([b, F] or [b, h, w, F]); stops at the deepest
-        requested block unless the pooling needs the model's own head."""
+        requested block unless the pooling needs the model's own head. ``valid`` [b, h, w]: image patches."""
         if layers is None or pooling == "pooler":
-            return pool(self.features(pixel_values, layers=layers), pooling, layers)
-        return pool_layers(self.layer_features(pixel_values, layers), pooling, layers)
+            return pool(self.features(pixel_values, layers=layers, valid=valid), pooling, layers)
+        return pool_layers(self.layer_features(pixel_values, layers, valid=valid), pooling, layers)
 
     def pooled_many(
-        self, pixel_values: torch.Tensor, requests: Sequence[tuple[Pooling, Sequence[int] | None]]
+        self,
+        pixel_values: torch.Tensor,
+        requests: Sequence[tuple[Pooling, Sequence[int] | None]],
+        *,
+        valid: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Several (pooling, layers) features from ONE forward pass (an embedding plus head inputs)."""
         from .pool_requests import pooled_many
 
-        return pooled_many(self, pixel_values, requests)
+        return pooled_many(self, pixel_values, requests, valid=valid)
 
-    def _split(self, tokens: torch.Tensor, grid: tuple[int, int]) -> LayerTokens:
+    def _split(
+        self, tokens: torch.Tensor, grid: tuple[int, int], valid: torch.Tensor | None = None
+    ) -> LayerTokens:
         batch, _, dim = tokens.shape  # [B, P + h*w, D]
         cls = tokens[:, 0] if self.spec.has_cls else None  # [B, D]
         start = int(self.spec.has_cls)
         registers = tokens[:, start : start + self.num_registers]  # [B, R, D]
         patches = tokens[:, self.prefix_tokens :].reshape(batch, grid[0], grid[1], dim)  # [B, h, w, D]
-        return LayerTokens(cls=cls, registers=registers, patches=patches)
+        if valid is not None:
+            if tuple(valid.shape) != (batch, *grid):
+                want = [batch, *grid]
+                raise InvalidOptionError(f"valid must be [B, h, w] = {want}, got {list(valid.shape)}")
+            valid = valid.to(device=tokens.device)  # [B, h, w]
+        return LayerTokens(cls=cls, registers=registers, patches=patches, valid=valid)
 
     # ------------------------------------------------------------------ images → arrays
     def prepare(
@@ -344,8 +395,10 @@ class Backbone:
             )
         results: list[torch.Tensor | None] = [None] * len(prepared)
         for indices in _batches_by_grid(prepared, batch_size):
-            pixel_values, _ = stack([prepared[i] for i in indices])  # [b, 3, H, W]
-            pooled = self.pooled(pixel_values, chosen_pooling, chosen_layers).float()  # [b, F] / [b, h, w, F]
+            batch = [prepared[i] for i in indices]
+            pixel_values, _ = stack(batch)  # [b, 3, H, W]
+            valid = stack_valid(batch)  # [b, h, w] or None
+            pooled = self.pooled(pixel_values, chosen_pooling, chosen_layers, valid=valid).float()
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             for row, index in enumerate(indices):
@@ -401,6 +454,7 @@ class Backbone:
         return EmbedResult(
             vectors=vectors,
             grids=[p.grid for p in prepared],
+            valid=[p.validity() for p in prepared],
             model=self.checkpoint.name,
             revision=self.checkpoint.revision,
             preprocess_hash=self.preprocess_config.hash(),
@@ -454,6 +508,36 @@ class Backbone:
                 "policy": self.defaults.policy,
             },
         )
+
+
+def image_box(covered: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(top, bottom, left, right) patch rows/cols of the image in an [h, w] bool mask; None = whole grid."""
+    rows = torch.nonzero(covered.any(dim=1)).flatten()  # [n_rows]
+    cols = torch.nonzero(covered.any(dim=0)).flatten()  # [n_cols]
+    if len(rows) == 0 or len(cols) == 0:
+        return None
+    box = (int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1)
+    return None if box == (0, covered.shape[0], 0, covered.shape[1]) else box
+
+
+def letterbox_positions(
+    positions: PositionTableCache,
+    table: torch.Tensor,
+    grid: tuple[int, int],
+    boxes: Sequence[tuple[int, int, int, int] | None],
+) -> torch.Tensor:
+    """[B, P + h*w, D] position tables: each image's patches get the table resampled to the image's own
+    sub-grid (as if it were the whole input); letterbox cells keep the full grid's (masked out anyway)."""
+    out = table.repeat(len(boxes), 1, 1)  # [B, P + h*w, D]
+    prefix = out.shape[1] - grid[0] * grid[1]
+    for b, box in enumerate(boxes):
+        if box is None:
+            continue
+        top, bottom, left, right = box
+        sub = positions.get((bottom - top, right - left), dtype=table.dtype, device=table.device)
+        cells = out[b, prefix:].view(grid[0], grid[1], -1)  # [h, w, D]
+        cells[top:bottom, left:right] = sub[0, prefix:].view(bottom - top, right - left, -1)
+    return out
 
 
 def _batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[list[int]]:

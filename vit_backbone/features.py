@@ -14,6 +14,8 @@ class LayerTokens:
     cls: torch.Tensor | None  # [B, D]; None for families without a CLS token (SigLIP)
     registers: torch.Tensor  # [B, R, D]; R = 0 without registers
     patches: torch.Tensor  # [B, h, w, D]
+    # [B, h, w] fraction of each patch that is image (pad's letterbox: 0); None = every patch is image
+    valid: torch.Tensor | None = None
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -28,6 +30,8 @@ class Features:
     ``x_norm_clstoken`` / ``x_norm_regtokens`` / ``x_norm_patchtokens``). ``layers`` holds the requested
     blocks, keyed by 0-based block index, through the same norm. ``pooler`` is the model's own
     ``pooler_output``: a Dense+tanh layer for ViT, attention pooling for SigLIP, the normed CLS otherwise.
+    ``valid`` says which patches hold image (``pad``'s letterbox does not); patch-averaging poolings weight
+    each patch by it.
     """
 
     cls: torch.Tensor | None  # [B, D]
@@ -35,6 +39,7 @@ class Features:
     patches: torch.Tensor  # [B, h, w, D]
     pooler: torch.Tensor | None  # [B, D]
     layers: dict[int, LayerTokens] = field(default_factory=dict)
+    valid: torch.Tensor | None = None  # [B, h, w] image fraction per patch; None = all image
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -42,4 +47,4 @@ class Features:
 
     @property
     def last(self) -> LayerTokens:
-        return LayerTokens(cls=self.cls, registers=self.registers, patches=self.patches)
+        return LayerTokens(cls=self.cls, registers=self.registers, patches=self.patches, valid=self.valid)

@@ -22,7 +22,11 @@ PoolRequest = tuple[Pooling, Sequence[int] | None]  # (pooling, 0-based blocks; 
 
 
 def pooled_many(
-    backbone: Backbone, pixel_values: torch.Tensor, requests: Sequence[PoolRequest]
+    backbone: Backbone,
+    pixel_values: torch.Tensor,
+    requests: Sequence[PoolRequest],
+    *,
+    valid: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """One pooled tensor per request ([b, F] or [b, h, w, F]), all from a single forward pass.
 
@@ -37,9 +41,9 @@ def pooled_many(
         resolved.append((chosen, backbone.resolve_layers(list(layers) if layers is not None else None)))
     union = sorted({i for _, layers in resolved for i in (layers or [backbone.depth - 1])})
     if any(pooling == "pooler" for pooling, _ in resolved):  # the model's own head: the whole network
-        features = backbone.features(pixel_values, layers=union)
+        features = backbone.features(pixel_values, layers=union, valid=valid)
         return [pool(features, pooling, layers) for pooling, layers in resolved]
-    tokens = backbone.layer_features(pixel_values, union)  # stops at the deepest block of the union
+    tokens = backbone.layer_features(pixel_values, union, valid=valid)  # stops at the union's deepest block
     return [
         pool_layers(tokens, pooling, layers if layers is not None else [backbone.depth - 1])
         for pooling, layers in resolved

@@ -2,7 +2,9 @@
 
 - ``cls``: the CLS token after the final norm.
 - ``pooler``: the model's own pooler_output (ViT's Dense+tanh, SigLIP's attention pooling); last block only.
-- ``mean``: mean of the patch tokens; CLS and registers excluded.
+- ``mean``: mean of the patch tokens; CLS and registers excluded. With ``pad``, only the image: each patch
+  counts by the fraction of its pixels that are image (``LayerTokens.valid``), so the letterbox never enters
+  (``mean``, ``cls_mean``, ``gem`` and ``linear_eval``'s mean part alike).
 - ``cls_mean``: ``cls`` and ``mean`` concatenated.
 - ``gem``: generalised mean of the patch tokens with p = 3, sign-preserving (ViT tokens are signed;
   the usual clamp-at-zero GeM would discard half of each channel). Equals classic GeM for non-negative input.
@@ -44,13 +46,22 @@ def _require_cls(tokens: LayerTokens, pooling: str) -> torch.Tensor:
     return tokens.cls
 
 
+def _weighted_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mean over N of ``x`` [B, N, D], each token weighted by ``valid`` [B, h, w] (None: plain mean)."""
+    if valid is None:
+        return x.mean(dim=1)  # [B, D]
+    w = valid.flatten(1).to(device=x.device, dtype=torch.float32)  # [B, N]
+    w = w / w.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return torch.einsum("bnd,bn->bd", x.float(), w).to(x.dtype)  # [B, D]
+
+
 def mean_patches(tokens: LayerTokens) -> torch.Tensor:  # [B, D]
-    return tokens.patches.flatten(1, 2).mean(dim=1)
+    return _weighted_mean(tokens.patches.flatten(1, 2), tokens.valid)
 
 
 def gem_patches(tokens: LayerTokens, p: float = GEM_P) -> torch.Tensor:  # [B, D]
     x = tokens.patches.flatten(1, 2).float()  # [B, N, D]
-    m = (x.sign() * x.abs().pow(p)).mean(dim=1)  # [B, D]
+    m = _weighted_mean(x.sign() * x.abs().pow(p), tokens.valid)  # [B, D]
     return (m.sign() * m.abs().pow(1.0 / p)).to(tokens.patches.dtype)
 
 

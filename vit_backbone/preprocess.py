@@ -24,7 +24,17 @@ from vit_backbone.decode import DecodeLimits, decode, to_rgb
 from vit_backbone.errors import ImageDecodeError, InvalidOptionError, SizeError
 from vit_backbone.preprocess_config import _TORCH_MODES, MAX_SIDE, PreprocessConfig, ResizeMode, _check_hw
 
-__all__ = ["MAX_SIDE", "Prepared", "PreprocessConfig", "Preprocessor", "ResizeMode", "ResizePolicy", "stack"]
+__all__ = [
+    "MAX_SIDE",
+    "Prepared",
+    "PreprocessConfig",
+    "Preprocessor",
+    "ResizeMode",
+    "ResizePolicy",
+    "patch_coverage",
+    "stack",
+    "stack_valid",
+]
 
 ResizePolicy = Literal["crop", "squash", "pad", "dynamic"]
 
@@ -36,6 +46,12 @@ class Prepared:
     source_size: tuple[int, int]  # (H, W) of the full-resolution source (display orientation, pre-draft)
     policy: str
     decode_s: float = 0.0  # seconds spent decoding bytes (0 for an image given decoded); the rest is resizing
+    # [h, w] float32: the fraction of each patch that holds image (pad's letterbox is 0); None = all image
+    valid: np.ndarray | None = None
+
+    def validity(self) -> np.ndarray:
+        """[h, w] float32 covered fraction of every patch (all ones without a letterbox)."""
+        return np.ones(self.grid, dtype=np.float32) if self.valid is None else self.valid
 
 
 @dataclass(frozen=True)
@@ -52,8 +68,10 @@ class Preprocessor:
     Policies: ``crop`` is the checkpoint's own pipeline (or, with ``size``, the same pipeline scaled:
     shortest-edge resize by the checkpoint's resize/crop ratio, then center crop); ``squash`` resizes
     to exactly (H, W); ``pad`` fits inside (H, W) and letterboxes with the mean colour (0 after
-    normalisation); ``dynamic`` keeps the aspect ratio within a token budget and resizes straight to a
-    patch-multiple size (no crop). The price: a small aspect distortion from snapping to whole patches,
+    normalisation), the image starting on a patch boundary (centred to the nearest whole patch) and
+    ``Prepared.valid`` telling which patches hold image; ``dynamic`` keeps the aspect ratio within a
+    token budget and resizes straight to a patch-multiple size (no crop). The price: a small aspect
+    distortion from snapping to whole patches,
     and images smaller than the budget are upsampled, so that token counts stay predictable.
     """
 
@@ -102,12 +120,17 @@ class Preprocessor:
         plan = self._plan(policy, size, source)
         pixels = self._run_torch(img, plan) if self.config.pipeline == "torch" else self._run_pil(img, plan)
         (ph, pw), (out_h, out_w) = self.patch_size, plan.out
+        grid = (out_h // ph, out_w // pw)
+        valid = None
+        if policy == "pad" and plan.resize is not None and plan.resize != plan.out:
+            valid = patch_coverage(grid, self.patch_size, plan.offset, plan.resize)
         return Prepared(
             pixel_values=pixels,
-            grid=(out_h // ph, out_w // pw),
+            grid=grid,
             source_size=source,
             policy=policy,
             decode_s=decode_s,
+            valid=valid,
         )
 
     def target_size(
@@ -148,7 +171,7 @@ class Preprocessor:
                 plan = _Plan(resize=box, crop=None, out=box)
             else:
                 fit = _fit_inside(source_hw, box)
-                plan = _Plan(fit, None, box, ((box[0] - fit[0]) // 2, (box[1] - fit[1]) // 2))
+                plan = _Plan(fit, None, box, _aligned_offset(box, fit, self.patch_size))
         _check_multiple(plan.out, self.patch_size, f"policy={policy!r}", size is not None, cfg.processor_type)
         return plan
 
@@ -237,6 +260,38 @@ def stack(prepared: Sequence[Prepared]) -> tuple[torch.Tensor, tuple[int, int]]:
             "a policy with a fixed size (crop, squash, pad) or dynamic with the same size"
         )
     return torch.stack([p.pixel_values for p in prepared]), prepared[0].grid  # [B, 3, H, W]
+
+
+def stack_valid(prepared: Sequence[Prepared]) -> torch.Tensor | None:
+    """``[B, h, w]`` covered fraction per patch for a batch ``stack`` accepts; None when no item is
+    letterboxed (every patch is image), so unpadded batches pay nothing."""
+    if all(p.valid is None for p in prepared):
+        return None
+    return torch.from_numpy(np.stack([p.validity() for p in prepared]))  # [B, h, w] float32
+
+
+def patch_coverage(
+    grid: tuple[int, int], patch: tuple[int, int], offset: tuple[int, int], image_hw: tuple[int, int]
+) -> np.ndarray:
+    """[h, w] float32 fraction of each patch's pixels covered by an ``image_hw`` image placed at ``offset``
+    (top, left) on a ``grid`` of ``patch``-sized cells: 1 inside, 0 on the letterbox, partial on the edge."""
+
+    def axis(cells: int, size: int, start: int, length: int) -> np.ndarray:
+        lo = np.arange(cells) * size  # [cells]
+        covered = np.minimum(lo + size, start + length) - np.maximum(lo, start)
+        return np.clip(covered, 0, size).astype(np.float32) / size
+
+    rows = axis(grid[0], patch[0], offset[0], image_hw[0])  # [h]
+    cols = axis(grid[1], patch[1], offset[1], image_hw[1])  # [w]
+    return np.outer(rows, cols).astype(np.float32)  # [h, w]
+
+
+def _aligned_offset(box: tuple[int, int], fit: tuple[int, int], patch: tuple[int, int]) -> tuple[int, int]:
+    """(top, left) of a letterboxed image: centred to the nearest whole patch, so the image is cut into
+    the same patches whatever the box around it (its last row/column of patches may be partly letterbox)."""
+    return tuple(  # type: ignore[return-value]
+        (b // p - -(-f // p)) // 2 * p for b, f, p in zip(box, fit, patch, strict=True)
+    )
 
 
 def _cover(source_hw: tuple[int, int], box: tuple[int, int]) -> tuple[int, int]:

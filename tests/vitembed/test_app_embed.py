@@ -264,3 +264,27 @@ async def test_every_endpoint_is_in_the_openapi_schema(server: Server) -> None:
     components = schema["components"]["schemas"]
     assert {"EmbedJsonRequest", "ImageIn", "OpenAIEmbeddingRequest", "ErrorResponse"} <= set(components)
     assert "images" in components["EmbedJsonRequest"]["properties"]
+
+
+async def test_patch_outputs_carry_the_letterbox_mask(
+    server: Server, reference: Backbone, images: Images
+) -> None:
+    """pad: the JSON grid metadata holds the [h][w] image fraction, the .npy answer its row/column factors."""
+    batch = [images.jpeg(200, 60, 4), images.png(56, 56, 5)]  # one letterboxed, one not
+    params = {"pooling": "patch", "policy": "pad", "size": "56,56"}
+    result = reference.embed_result(batch, pooling="patch", policy="pad", size=(56, 56))
+    assert not (result.valid[0] == 1).all()
+    response = await server.client.post("/v1/embed", files=[("image", d) for d in batch], data=params)
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    for item, mask in zip(data, result.valid, strict=True):
+        np.testing.assert_allclose(np.asarray(item["valid"]), mask, atol=1e-6)
+    np.testing.assert_allclose(floats(response.json()), result.vectors, atol=TOL)
+    npy = await server.client.post(
+        "/v1/embed", files=[("image", d) for d in batch], data=params, headers={"Accept": "application/x-npy"}
+    )
+    assert npy.status_code == 200, npy.text
+    factors = json.loads(npy.headers["x-vitembed-valid"])
+    assert factors[1] is None  # every patch of the square image is image
+    rows, cols = factors[0]
+    np.testing.assert_allclose(np.outer(rows, cols), result.valid[0], atol=1e-6)

@@ -29,7 +29,7 @@ from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
 from vit_backbone.pooling import check_pooling
 from vit_backbone.precision import MIN_COSINE, choose_autocast, pick_device, to_device
-from vit_backbone.preprocess import Prepared, Preprocessor, stack
+from vit_backbone.preprocess import Prepared, Preprocessor, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad, Reservation
 from vitembed.engine.batcher import (
     CancelledWorkError,
@@ -105,6 +105,7 @@ class EmbedOutcome:
     precision: str
     heads: tuple[BoundHead, ...] = ()
     head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
+    valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
 
 
 @dataclass(frozen=True)
@@ -216,11 +217,12 @@ class Engine:
         tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
         count = max(1, min(self.settings.max_batch_size, self.settings.max_batch_tokens // tokens))
         pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
+        valid = stack_valid([prepared] * count)  # [count, h, w] or None
         pixel_values = to_device(pixel_values, backbone.device)
         pooling = check_pooling(backbone.defaults.pooling)
         layers = backbone.resolve_layers(backbone.defaults.layers)
         started = time.perf_counter()
-        backbone.pooled(pixel_values, pooling, layers)
+        backbone.pooled(pixel_values, pooling, layers, valid=valid)
         load.observe(tokens, count, time.perf_counter() - started)
 
     def stop(self) -> None:
@@ -338,6 +340,7 @@ class Engine:
             precision=served.precision,
             heads=heads,
             head_outputs=outputs,
+            valid=[p.validity() for p in prepared],
         )
 
     async def classify(
@@ -511,15 +514,16 @@ class Engine:
         """Rows [F] (or [h, w, F]); with heads, (row, {head: output}) pairs from the same forward pass."""
         _, pooling, layers, normalize, head_names = items[0].key
         pixel_values, _ = stack([item.prepared for item in items])  # [b, 3, H, W]
+        valid = stack_valid([item.prepared for item in items])  # [b, h, w]; None when nothing is letterboxed
         pixel_values = to_device(pixel_values, backbone.device)  # pinned + non-blocking on CUDA
         chosen_layers = None if layers is None else list(layers)
         heads = [self._heads[name] for name in head_names]
         if heads:
             requests, where = pool_requests(check_pooling(pooling), chosen_layers, heads)
-            features = backbone.pooled_many(pixel_values, requests)  # one forward pass for all of them
+            features = backbone.pooled_many(pixel_values, requests, valid=valid)  # one forward pass for all
             pooled = features[0]
         else:
-            pooled = backbone.pooled(pixel_values, check_pooling(pooling), chosen_layers)
+            pooled = backbone.pooled(pixel_values, check_pooling(pooling), chosen_layers, valid=valid)
         pooled = pooled.float()
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)

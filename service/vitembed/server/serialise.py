@@ -100,6 +100,8 @@ def embed_json(outcome: EmbedOutcome, *, dtype: str, encoding: str, return_grid:
         }
         if with_grid:
             item["grid"] = list(outcome.grids[index])
+            if outcome.valid:  # [h][w] fraction of each patch that is image (pad's letterbox: 0)
+                item["valid"] = np.round(outcome.valid[index], 6).tolist()
         if outcome.heads:  # computed from the same forward pass as the embedding
             bad = non_finite_head(outcome.heads, outcome.head_outputs[index])
             if bad is not None:
@@ -127,7 +129,23 @@ def embed_npy(outcome: EmbedOutcome, *, dtype: str) -> tuple[bytes, dict[str, st
     }
     headers[f"{HEADER_PREFIX}Dim"] = str(vectors.shape[-1])
     headers[f"{HEADER_PREFIX}Grids"] = json.dumps([list(g) for g in outcome.grids], separators=(",", ":"))
+    if outcome.valid:
+        headers[f"{HEADER_PREFIX}Valid"] = json.dumps(
+            [valid_factors(m) for m in outcome.valid], separators=(",", ":")
+        )
     return buffer.getvalue(), headers
+
+
+def valid_factors(mask: np.ndarray) -> list[list[float]] | None:
+    """A letterbox mask [h, w] as its row and column factors (``mask == outer(rows, cols)``: a ``pad``
+    mask is the product of a row coverage and a column coverage), None when every patch is image. Small
+    enough for a header at any grid, unlike the mask itself."""
+    if bool((mask == 1).all()):
+        return None
+    i, j = np.unravel_index(int(np.argmax(mask)), mask.shape)
+    rows = mask[:, j]  # [h]
+    cols = mask[i, :] / mask[i, j]  # [w]
+    return [np.round(rows, 6).tolist(), np.round(cols, 6).tolist()]
 
 
 def openai_json(outcome: EmbedOutcome, *, encoding_format: str) -> bytes:
