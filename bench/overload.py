@@ -22,7 +22,7 @@ admitted requests, p99 of 429 answers (from request start), 504s, 5xx, the load 
 server's RSS before and after. Then memory: RSS after 1,000 and after 10,000 requests (mixed sizes and
 counts, some invalid) on a tiny random-init model (so the run takes a minute; growth is the server's).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/overload.py [--quick] [--out bench/results]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--torch-threads N] [--out bench/results]
 
 Writes ``overload.md`` and ``overload.json``. ``--quick`` shortens every scenario (a smoke run, not
 numbers to quote).
@@ -47,7 +47,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
+try:  # python -m bench.overload (the bench package) or python bench/overload.py
+    from bench.overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
+except ImportError:
+    from overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request  # type: ignore[no-redef]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
