@@ -32,9 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.common.forward import ForwardTiming, measured_dtypes, pixel_batch, run_forward, time_forward
+from bench.common.forward import (
+    ForwardTiming,
+    Pixels,
+    measured_dtypes,
+    pixel_batch,
+    run_forward,
+    time_forward,
+)
 from bench.common.images import JPEG_QUALITY, varied_photo_jpegs
 from bench.common.machine import bench_lock, machine_info, wait_for_idle
 from bench.common.report import add_output_options, fmt, output_dir, quick_note, to_jsonable, write_report
@@ -105,7 +110,7 @@ class CatalogResults:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def bench_forward(backbone: Backbone, pixels: torch.Tensor, sizes: Sizes, precision: str) -> list[Forward]:
+def bench_forward(backbone: Backbone, pixels: Pixels, sizes: Sizes, precision: str) -> list[Forward]:
     reference = run_forward(backbone, pixels, "float32").numpy()  # [n, F]
     results = []
     for dtype in measured_dtypes(precision):

@@ -1,9 +1,10 @@
 """The model-only reference: the forward pass the server and the catalog job run, timed on pre-made pixels.
 
-``run_forward`` does what ``vitembed.engine`` does for a request with no options: ``Backbone.pooled`` with the
-model's default pooling and layers (which stops at the deepest requested block: the embedded default, mean
-of block 8, runs 9 of 12 blocks), then ``.float()``, under the autocast the server chose. Timing anything
-else (all blocks, ``output_hidden_states``) would make the server look faster than it is.
+``run_forward`` does what ``vitembed.engine`` does for a request with no options: ``Backbone.pooled`` with
+the model's default pooling and layers and the letterbox validity mask (it stops at the deepest requested
+block: the embedded default, mean of block 8, runs 9 of 12 blocks), then ``.float()``, under the autocast the
+server chose. Timing anything else (all blocks, ``output_hidden_states``) would make the server look faster
+than it is.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from vit_backbone import Backbone
 from vit_backbone.precision import cpu_has_native_bf16
-from vit_backbone.preprocess import stack
+from vit_backbone.preprocess import stack, stack_valid
 
 from .machine import CpuWindow
 
@@ -43,22 +44,37 @@ def measured_dtypes(precision: str = "auto") -> list[str]:
     return ["float32"]
 
 
-def pixel_batch(backbone: Backbone, jpegs: Sequence[bytes]) -> torch.Tensor:
-    """The JPEGs preprocessed as the server does with no options: [n, 3, 224, 224] for the embedded model."""
-    pixels, _ = stack(backbone.prepare(list(jpegs), policy=backbone.defaults.policy))
-    return pixels  # [n, 3, H, W]
+@dataclass(frozen=True)
+class Pixels:
+    """A preprocessed batch as the engine stacks it: pixels and, when an image is letterboxed (policy pad),
+    the per-patch validity mask that keeps the padding out of attention and pooling."""
+
+    values: torch.Tensor  # [n, 3, H, W]
+    valid: torch.Tensor | None  # [n, h, w]; None when nothing is letterboxed
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def repeat_to(self, batch_size: int) -> Pixels:
+        """A batch of ``batch_size``, cycling through the images."""
+        times = -(-batch_size // len(self.values))
+        values = self.values.repeat(times, 1, 1, 1)[:batch_size].contiguous()  # [B, 3, H, W]
+        valid = None if self.valid is None else self.valid.repeat(times, 1, 1)[:batch_size].contiguous()
+        return Pixels(values, valid)  # valid: [B, h, w]
 
 
-def repeat_to(pixels: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """[n, 3, H, W] → [batch_size, 3, H, W], cycling through the images."""
-    return pixels.repeat(-(-batch_size // len(pixels)), 1, 1, 1)[:batch_size].contiguous()
+def pixel_batch(backbone: Backbone, jpegs: Sequence[bytes]) -> Pixels:
+    """The JPEGs preprocessed as the server does with no options (224 px for the embedded model)."""
+    prepared = backbone.prepare(list(jpegs), policy=backbone.defaults.policy)
+    pixels, _ = stack(prepared)  # [n, 3, H, W]
+    return Pixels(pixels, stack_valid(prepared))
 
 
-def run_forward(backbone: Backbone, batch: torch.Tensor, dtype_name: str) -> torch.Tensor:
+def run_forward(backbone: Backbone, batch: Pixels, dtype_name: str) -> torch.Tensor:
     """One forward pass as the engine runs it for the model's defaults: [B, F] float32."""
     backbone.autocast = DTYPES[dtype_name]
     layers = backbone.resolve_layers(backbone.defaults.layers)
-    return backbone.pooled(batch, backbone.defaults.pooling, layers).float()  # [B, F]
+    return backbone.pooled(batch.values, backbone.defaults.pooling, layers, valid=batch.valid).float()
 
 
 def timed_repeats(run: Callable[[], object], *, budget_s: float, min_runs: int, warmup: int) -> list[float]:
@@ -76,7 +92,7 @@ def timed_repeats(run: Callable[[], object], *, budget_s: float, min_runs: int, 
 
 def time_forward(
     backbone: Backbone,
-    pixels: torch.Tensor,
+    pixels: Pixels,
     dtype_name: str,
     batch_size: int,
     budget_s: float,
@@ -86,7 +102,7 @@ def time_forward(
 ) -> ForwardTiming:
     """Median time of ``run_forward`` on a batch of ``batch_size`` (the images repeated): two warm-up
     passes, then at least ``min_runs`` and at least ``budget_s`` seconds (``budget_s=0, min_runs=1``: one)."""
-    batch = repeat_to(pixels, batch_size)  # [B, 3, H, W]
+    batch = pixels.repeat_to(batch_size)
     window = CpuWindow()
     times = timed_repeats(
         lambda: run_forward(backbone, batch, dtype_name),
