@@ -108,3 +108,47 @@ def embedded_dir() -> Path:
     from vit_backbone.embedded import ensure_embedded_checkpoint
 
     return ensure_embedded_checkpoint()
+
+
+def _without_defaults(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the values equal to ``defaults`` (nested configs likewise), keeping model_type and
+    architectures: what transformers 4.x ``save_pretrained`` writes, taken further (it also kept the top-level
+    keys that PretrainedConfig itself does not define)."""
+    kept: dict[str, Any] = {}
+    for key, value in config.items():
+        default = defaults.get(key, object())
+        if key in ("model_type", "architectures"):
+            kept[key] = value
+        elif isinstance(value, dict) and isinstance(default, dict):
+            kept[key] = _without_defaults(value, default)
+        elif value != default:
+            kept[key] = value
+    return kept
+
+
+def make_minimal_checkpoint(full: Path, folder: Path) -> Path:
+    """A copy of checkpoint ``full`` whose config.json omits every value equal to transformers' default."""
+    import shutil
+
+    import transformers as tf
+
+    shutil.copytree(full, folder)
+    config = json.loads((full / "config.json").read_text())
+    defaults = tf.AutoConfig.for_model(config["model_type"]).to_dict()
+    (folder / "config.json").write_text(json.dumps(_without_defaults(config, defaults), indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def minimal_copy() -> Callable[[Path, Path], Path]:
+    """``minimal_copy(full, folder)``: make_minimal_checkpoint, for tests with their own checkpoints."""
+    return make_minimal_checkpoint
+
+
+@pytest.fixture(scope="session")
+def minimal_checkpoints(
+    tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every tiny checkpoint again, saved with a minimal config.json (same weights, same processor)."""
+    root = tmp_path_factory.mktemp("minimal")
+    return {family: make_minimal_checkpoint(path, root / family) for family, path in tiny_checkpoints.items()}

@@ -1,6 +1,6 @@
 """vit_backbone: the right features from any ViT-family checkpoint, as a pure library.
 
-No web framework, no asyncio, no environment variables: the HTTP service and the CLI live in ``service``.
+No web framework, no asyncio, no environment variables: the HTTP service and the CLI live in ``vitembed``.
 Public names resolve lazily so that ``import vit_backbone.errors`` (or the CLI's ``--help``) does not pay
 for importing torch and transformers.
 """
@@ -11,11 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backbone import Backbone, BackboneInfo, EmbedDefaults, EmbedResult, load_backbone
+    from .backbone import Backbone, BackboneInfo, EmbedDefaults, EmbedResult
     from .errors import (
         ImageDecodeError,
         InvalidOptionError,
         MissingExtraError,
+        ModelLoadError,
         ModelNotFoundError,
         SizeError,
         UnsafeCheckpointError,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         VitEmbedError,
     )
     from .features import Features, LayerTokens
+    from .loading import load_backbone
     from .pooling import POOLINGS, Pooling
 
 _EXPORTS = {
@@ -30,7 +32,7 @@ _EXPORTS = {
     "BackboneInfo": "backbone",
     "EmbedDefaults": "backbone",
     "EmbedResult": "backbone",
-    "load_backbone": "backbone",
+    "load_backbone": "loading",
     "Features": "features",
     "LayerTokens": "features",
     "POOLINGS": "pooling",
@@ -38,6 +40,7 @@ _EXPORTS = {
     "ImageDecodeError": "errors",
     "InvalidOptionError": "errors",
     "MissingExtraError": "errors",
+    "ModelLoadError": "errors",
     "ModelNotFoundError": "errors",
     "SizeError": "errors",
     "UnsafeCheckpointError": "errors",
@@ -56,6 +59,7 @@ __all__ = [
     "InvalidOptionError",
     "LayerTokens",
     "MissingExtraError",
+    "ModelLoadError",
     "ModelNotFoundError",
     "Pooling",
     "SizeError",

@@ -20,10 +20,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import (
-    InvalidOptionError,
-    UnsupportedModelError,
-)
+from .errors import InvalidOptionError, UnsupportedModelError
+from .model_config import ModelConfig
+from .specs import FamilyName, PosEmbedKind, parse_config, spec_named
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -38,8 +37,7 @@ __all__ = [
     "count_params",
 ]
 
-Family = Literal["vit", "dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "siglip"]
-PosEmbedKind = Literal["learned", "rope"]
+Family = FamilyName  # the public family names of vit_backbone.specs
 MlpKind = Literal["mlp", "swiglu"]
 
 
@@ -92,7 +90,7 @@ class Arch:
             raise InvalidOptionError(f"width {self.dim} is not divisible by {self.heads} heads")
         if self.registers < 0:
             raise InvalidOptionError(f"registers must be >= 0, got {self.registers}")
-        if self.has_pooler and self.family not in ("vit", "siglip"):
+        if self.has_pooler and not spec_named(self.family).has_pooler_weights:
             raise InvalidOptionError(f"{self.family} has no pooler; only vit and siglip do")
 
     @property
@@ -121,95 +119,6 @@ class Arch:
 # Hugging Face configs
 # --------------------------------------------------------------------------------------------------------
 
-# transformers' config defaults per family (config.json files written by older versions omit keys that
-# equal a default, so a raw mapping is read against these). A test checks them against transformers.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "vit": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "intermediate_size": 3072,
-        "image_size": 224,
-        "patch_size": 16,
-        "num_channels": 3,
-        "qkv_bias": True,
-        "pooler_output_size": None,
-    },
-    "dinov2": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "mlp_ratio": 4,
-        "image_size": 224,
-        "patch_size": 14,
-        "num_channels": 3,
-        "qkv_bias": True,
-        "use_swiglu_ffn": False,
-        "use_mask_token": True,
-    },
-    "dinov2_with_registers": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "mlp_ratio": 4,
-        "image_size": 224,
-        "patch_size": 16,
-        "num_channels": 3,
-        "qkv_bias": True,
-        "use_swiglu_ffn": False,
-        "num_register_tokens": 4,
-    },
-    "dinov3_vit": {
-        "hidden_size": 384,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 6,
-        "intermediate_size": 1536,
-        "image_size": 224,
-        "patch_size": 16,
-        "num_channels": 3,
-        "query_bias": True,
-        "key_bias": False,
-        "value_bias": True,
-        "proj_bias": True,
-        "mlp_bias": True,
-        "use_gated_mlp": False,
-        "num_register_tokens": 0,
-    },
-    "clip": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "intermediate_size": 3072,
-        "image_size": 224,
-        "patch_size": 32,
-        "num_channels": 3,
-    },
-    "siglip": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "intermediate_size": 3072,
-        "image_size": 224,
-        "patch_size": 16,
-        "num_channels": 3,
-        "vision_use_head": True,
-    },
-}
-
-_MODEL_TYPES: dict[str, Family] = {
-    "vit": "vit",
-    "dinov2": "dinov2",
-    "dinov2_with_registers": "dinov2_with_registers",
-    "dinov3_vit": "dinov3_vit",
-    "clip": "clip",
-    "clip_vision_model": "clip",
-    "siglip": "siglip",
-    "siglip_vision_model": "siglip",
-}
-_DUAL_ENCODERS = ("clip", "siglip")  # model types whose config nests the vision tower in vision_config
-# ViT heads built with add_pooling_layer=False (and, for masked image modeling, a mask token).
-_VIT_WITHOUT_POOLER = ("ViTForImageClassification", "ViTForMaskedImageModeling")
-
 
 def _as_mapping(config: PretrainedConfig | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
@@ -225,128 +134,34 @@ def _as_mapping(config: PretrainedConfig | Mapping[str, Any]) -> Mapping[str, An
     return result
 
 
-def _pair(value: Any, what: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, list | tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise UnsupportedModelError(f"config {what} must be an int or a pair of ints, got {value!r}")
-
-
-def _int(config: Mapping[str, Any], key: str) -> int:
-    value = config[key]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise UnsupportedModelError(f"config {key} must be an integer, got {value!r}")
-    return value
-
-
 def arch_from_hf_config(
-    config: PretrainedConfig | Mapping[str, Any], *, has_pooler: bool | None = None
+    config: PretrainedConfig | Mapping[str, Any] | ModelConfig, *, has_pooler: bool | None = None
 ) -> Arch:
-    """Read an :class:`Arch` from a transformers config object or a parsed ``config.json``.
+    """Read an :class:`Arch` from a transformers config object, a parsed ``config.json`` (fields it omits
+    take transformers' defaults) or a :class:`~vit_backbone.model_config.ModelConfig`.
 
     A full CLIP/SigLIP config contributes its ``vision_config``. Whether a ViT checkpoint has its pooler
     is not in the config (it is a constructor argument); it is inferred from ``architectures``
     (``ViTModel`` or none: yes; ``ViTForImageClassification`` / ``ViTForMaskedImageModeling``: no), and
     ``has_pooler`` overrides that inference.
     """
-    outer = _as_mapping(config)
-    model_type = outer.get("model_type")
-    family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        supported = ", ".join(sorted(_MODEL_TYPES))
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported for costs (supported: {supported})"
-        )
-    raw = outer
-    if model_type in _DUAL_ENCODERS:
-        vision = outer.get("vision_config") or {}
-        raw = _as_mapping(vision)
-    cfg: dict[str, Any] = {**_DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None}}
-    architectures = outer.get("architectures") or ()
-
-    patch = _pair(cfg["patch_size"], "patch_size")
-    image = _pair(cfg["image_size"], "image_size")
-    dim = _int(cfg, "hidden_size")
-    common: dict[str, Any] = {
-        "family": family,
-        "patch": patch,
-        "channels": _int(cfg, "num_channels"),
-        "dim": dim,
-        "depth": _int(cfg, "num_hidden_layers"),
-        "heads": _int(cfg, "num_attention_heads"),
-        "native_grid": (image[0] // patch[0], image[1] // patch[1]),
-    }
-    if family == "vit":
-        pooler = has_pooler
-        if pooler is None:
-            pooler = not any(name in _VIT_WITHOUT_POOLER for name in architectures)
-        pooler_dim = cfg.get("pooler_output_size")
-        return Arch(
-            **common,
-            mlp_dim=_int(cfg, "intermediate_size"),
-            pos_embed="learned",
-            has_pooler=pooler,
-            pooler_dim=pooler_dim if pooler_dim != dim else None,
-            mask_token="ViTForMaskedImageModeling" in architectures,
-            qkv_bias=(bool(cfg["qkv_bias"]),) * 3,
-        )
-    if family in ("dinov2", "dinov2_with_registers"):
-        _no_pooler(family, has_pooler)
-        ratio = cfg["mlp_ratio"]
-        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or ratio <= 0:
-            raise UnsupportedModelError(f"config mlp_ratio must be a positive number, got {ratio!r}")
-        hidden = int(dim * ratio)
-        swiglu = bool(cfg["use_swiglu_ffn"])
-        if swiglu:  # transformers' Dinov2SwiGLUFFN: 2/3 of the MLP width, rounded up to a multiple of 8
-            hidden = (int(hidden * 2 / 3) + 7) // 8 * 8
-        registered = family == "dinov2_with_registers"
-        return Arch(
-            **common,
-            mlp_dim=hidden,
-            pos_embed="learned",
-            registers=_int(cfg, "num_register_tokens") if registered else 0,
-            mlp_kind="swiglu" if swiglu else "mlp",
-            layerscale=True,
-            mask_token=registered or bool(cfg.get("use_mask_token", True)),
-            qkv_bias=(bool(cfg["qkv_bias"]),) * 3,
-        )
-    if family == "dinov3_vit":
-        _no_pooler(family, has_pooler)
-        return Arch(
-            **common,
-            mlp_dim=_int(cfg, "intermediate_size"),
-            pos_embed="rope",
-            registers=_int(cfg, "num_register_tokens"),
-            mlp_kind="swiglu" if cfg["use_gated_mlp"] else "mlp",
-            layerscale=True,
-            mask_token=True,
-            qkv_bias=(bool(cfg["query_bias"]), bool(cfg["key_bias"]), bool(cfg["value_bias"])),
-            proj_bias=bool(cfg["proj_bias"]),
-            mlp_bias=bool(cfg["mlp_bias"]),
-        )
-    if family == "clip":
-        _no_pooler(family, has_pooler)
-        return Arch(
-            **common,
-            mlp_dim=_int(cfg, "intermediate_size"),
-            pos_embed="learned",
-            patch_bias=False,
-            pre_norm=True,
-        )
-    # siglip
+    cfg = config if isinstance(config, ModelConfig) else parse_config(_as_mapping(config))
+    spec = cfg.spec
+    if has_pooler and not spec.has_pooler_weights:
+        raise InvalidOptionError(f"{spec.name} has no pooler; has_pooler=True applies to vit and siglip only")
     return Arch(
-        **common,
-        mlp_dim=_int(cfg, "intermediate_size"),
-        pos_embed="learned",
-        cls_token=False,
-        has_pooler=bool(cfg["vision_use_head"]) if has_pooler is None else has_pooler,
+        family=spec.name,
+        patch=cfg.patch_size,
+        channels=cfg.channels,
+        dim=cfg.dim,
+        depth=cfg.depth,
+        heads=cfg.heads,
+        native_grid=cfg.native_grid,
+        pos_embed=spec.pos_embed,
+        cls_token=spec.has_cls,
+        registers=cfg.num_registers,
+        **spec.arch_fields(cfg, has_pooler),
     )
-
-
-def _no_pooler(family: str, has_pooler: bool | None) -> None:
-    if has_pooler:
-        raise InvalidOptionError(f"{family} has no pooler; has_pooler=True applies to vit and siglip only")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -389,7 +204,7 @@ def _pooler_params(arch: Arch) -> int:
     if not arch.has_pooler:
         return 0
     d = arch.dim
-    if arch.family == "vit":
+    if spec_named(arch.family).pooler == "tanh":  # ViT: dense + tanh on CLS
         return _linear(d, arch.pooler_dim or d)
     # SigLIP multihead attention pooling: probe, packed in-proj, out-proj, norm, MLP
     return d + _linear(d, 3 * d) + _linear(d, d) + 2 * d + _linear(d, arch.mlp_dim) + _linear(arch.mlp_dim, d)
@@ -409,7 +224,7 @@ def _dinov2(dim: int, depth: int, heads: int, *, registers: int = 0, swiglu: boo
     # Native 518 px = 37×37 at /14; giant uses SwiGLU with hidden = int(2/3·4·D) rounded up to 8 (4096).
     mlp = (int(4 * dim * 2 / 3) + 7) // 8 * 8 if swiglu else 4 * dim
     return Arch(
-        "dinov2_with_registers" if registers else "dinov2",
+        "dinov2_registers" if registers else "dinov2",
         (14, 14),
         3,
         dim,
@@ -428,7 +243,7 @@ def _dinov2(dim: int, depth: int, heads: int, *, registers: int = 0, swiglu: boo
 def _dinov3(dim: int, depth: int, heads: int) -> Arch:
     # As the facebook/dinov3-vit*16-pretrain-lvd1689m configs: RoPE, 4 registers, no key bias, image_size 224.
     return Arch(
-        "dinov3_vit",
+        "dinov3",
         (16, 16),
         3,
         dim,

@@ -12,26 +12,20 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from .checkpoint import ResolvedCheckpoint
 from .errors import InvalidOptionError, SizeError, UnsupportedModelError
 from .features import Features, LayerTokens
-from .loading import (
-    ResolvedCheckpoint,
-    instantiate_model,
-    load_spec,
-    read_processor_config,
-    resolve_checkpoint,
-)
+from .model_config import ModelConfig
 from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_dim
 from .pos_embed import PositionTableCache
 from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack, stack_valid
-from .specs import FamilySpec, InterpolationRule, ResampleMethod
+from .specs import InterpolationRule, ResampleMethod
 
 ImageInput = Image.Image | bytes
 LayersArg = int | Sequence[int] | None
@@ -108,8 +102,7 @@ class Backbone:
     def __init__(
         self,
         model: torch.nn.Module,
-        spec: FamilySpec,
-        config: dict[str, Any],
+        config: ModelConfig,
         checkpoint: ResolvedCheckpoint,
         preprocess: PreprocessConfig,
         *,
@@ -117,20 +110,22 @@ class Backbone:
         defaults: EmbedDefaults | None = None,
         autocast: torch.dtype | None = None,
     ) -> None:
+        spec = config.spec
         self.model = model
         self.spec = spec
-        self.config = config
+        self.model_config = config
+        self.config = dict(config.raw)  # config.json as written
         self.checkpoint = checkpoint
-        self.vision_config = dict(spec.vision_config(config))
-        self.patch_size = spec.patch_size(config)
-        self.native_grid = spec.native_grid(config)
-        self.num_registers = spec.num_registers(config)
-        self.prefix_tokens = spec.prefix_tokens(config)
-        self.depth = int(self.vision_config["num_hidden_layers"])
-        self.dim = int(self.vision_config["hidden_size"])
+        self.patch_size = config.patch_size
+        self.native_grid = config.native_grid
+        self.num_registers = config.num_registers
+        self.prefix_tokens = config.prefix_tokens
+        self.depth = config.depth
+        self.dim = config.dim
+        self.heads = config.heads
         self.interpolation: InterpolationRule = interpolation
         self.resample: ResampleMethod = spec.resample_method(interpolation)
-        self.defaults = defaults or EmbedDefaults(pooling="pooler" if not spec.has_cls else "cls")
+        self.defaults = defaults or EmbedDefaults(pooling=spec.default_pooling)
         self.autocast = autocast
         self.preprocess_config = preprocess
         # `dynamic`'s default token budget is the grid the checkpoint is *used* at (its processor's output,
@@ -484,7 +479,7 @@ class Backbone:
             model_class=self.spec.model_class,
             dim=self.dim,
             depth=self.depth,
-            heads=int(self.vision_config["num_attention_heads"]),
+            heads=self.heads,
             patch_size=self.patch_size,
             native_grid=self.native_grid,
             native_size=native,
@@ -574,48 +569,3 @@ def _nearest(value: int, patch: int) -> str:
     low = max(patch, value // patch * patch)
     high = -(-value // patch) * patch
     return str(low) if low == high else f"{low} or {high}"
-
-
-def load_backbone(
-    name_or_path: str | Path,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    interpolation: InterpolationRule = "transformers",
-    allow_pickle: bool = False,
-    cache_dir: Path | None = None,
-    autocast: torch.dtype | None = None,
-) -> Backbone:
-    """Load a ViT-family backbone from a local HF folder, a hub id (local cache first) or `embedded`."""
-    checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
-    spec, config = load_spec(checkpoint.path)
-    spec.resample_method(interpolation)  # validate before paying for the weights
-    model = instantiate_model(checkpoint.path, spec, config, allow_pickle=allow_pickle, dtype=dtype)
-    model.to(torch.device(device))
-    processor = read_processor_config(checkpoint.path) or dict(spec.default_processor)
-    defaults = _read_defaults(checkpoint.path, spec)
-    return Backbone(
-        model,
-        spec,
-        config,
-        checkpoint,
-        PreprocessConfig.from_processor_dict(processor),
-        interpolation=interpolation,
-        defaults=defaults,
-        autocast=autocast,
-    )
-
-
-def _read_defaults(folder: Path, spec: FamilySpec) -> EmbedDefaults | None:
-    import json
-
-    meta_file = folder / "vitembed.json"
-    if not meta_file.is_file():
-        return None
-    raw = json.loads(meta_file.read_text()).get("defaults") or {}
-    layers = raw.get("layers")
-    return EmbedDefaults(
-        pooling=check_pooling(raw.get("pooling", "cls" if spec.has_cls else "pooler")),
-        layers=None if layers is None else tuple(int(i) for i in layers),
-        policy=raw.get("policy", "crop"),
-    )

@@ -30,6 +30,7 @@ from typing import Any
 
 from .architectures import Arch, count_params
 from .errors import SizeError
+from .specs import spec_named
 
 __all__ = [
     "STANDARD_SIDES",
@@ -63,7 +64,7 @@ def forward_flops(arch: Arch, grid: tuple[int, int]) -> int:
     per_block += (3 if arch.mlp_kind == "swiglu" else 2) * s * d * i
     macs += arch.depth * per_block
     if arch.has_pooler:
-        if arch.family == "vit":
+        if spec_named(arch.family).pooler == "tanh":  # ViT: dense + tanh on CLS
             macs += d * (arch.pooler_dim or d)
         else:  # SigLIP: one probe query attends over the N patch tokens, then out-proj and MLP
             macs += d * d + 2 * n * d * d + 2 * n * d + d * d + 2 * d * i

@@ -26,6 +26,19 @@ class UnsupportedModelError(VitEmbedError):
     code = "unsupported_model"
 
 
+class ModelLoadError(UnsupportedModelError):
+    """A checkpoint whose ``config.json`` cannot be used: a field that is missing with no default, null, or of
+    the wrong type. ``path`` is the file and ``field`` the field (dotted inside ``vision_config``; None when
+    the file is not a JSON object at all)."""
+
+    code = "invalid_model_config"
+
+    def __init__(self, message: str, *, path: str, field: str | None = None) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.field = field
+
+
 class UnsafeCheckpointError(VitEmbedError):
     code = "unsafe_checkpoint"
 

@@ -1,4 +1,5 @@
-"""Checkpoint resolution and loading: a local folder, a hub id from the local cache, or ``embedded``.
+"""Loading a backbone: resolve the checkpoint, read its config, build the transformers vision tower from its
+weights, and wrap it in a :class:`~vit_backbone.backbone.Backbone`.
 
 Weights load from safetensors only unless pickle is explicitly allowed, and never through remote code:
 the transformers class comes from our family spec, not from the checkpoint's ``auto_map``.
@@ -7,147 +8,76 @@ the transformers class comes from our family spec, not from the checkpoint's ``a
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import transformers
 
-from .errors import ModelNotFoundError, UnsafeCheckpointError
-from .safetensors_io import read_safetensors_header
-from .specs import FamilySpec, family_for
-
-log = logging.getLogger(__name__)
-
-CheckpointSource = Literal["local", "hub", "embedded"]
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-@dataclass(frozen=True)
-class ResolvedCheckpoint:
-    path: Path  # folder with config.json and *.safetensors
-    name: str
-    revision: str
-    source: CheckpointSource
+from .backbone import Backbone, EmbedDefaults
+from .checkpoint import (
+    check_weights_safe,
+    has_tensor_prefix,
+    load_config,
+    preprocess_config,
+    read_embed_defaults,
+    resolve_checkpoint,
+)
+from .errors import ModelNotFoundError
+from .model_config import ModelConfig
+from .pooling import check_pooling
+from .specs import FamilySpec, InterpolationRule
 
 
-def resolve_checkpoint(
-    name_or_path: str | Path, *, cache_dir: Path | None = None, allow_download: bool = True
-) -> ResolvedCheckpoint:
-    """Find the folder behind a model reference without loading any weights."""
-    text = str(name_or_path)
-    if text == "embedded":
-        from .embedded import ensure_embedded_checkpoint
-
-        folder = ensure_embedded_checkpoint(cache_dir, download=allow_download)
-        meta = json.loads((folder / "vitembed.json").read_text())
-        return ResolvedCheckpoint(folder, str(meta["name"]), str(meta["revision"]), "embedded")
-    path = Path(text).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
-            )
-        return ResolvedCheckpoint(path.resolve(), path.resolve().name, _local_revision(path), "local")
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
-        raise ModelNotFoundError(f"{text} is not a checkpoint folder (expected a folder with config.json)")
-    return _resolve_hub(text, allow_download=allow_download)
-
-
-def _resolve_hub(repo_id: str, *, allow_download: bool) -> ResolvedCheckpoint:
-    import huggingface_hub
-    from huggingface_hub import constants
-
-    offline = bool(constants.HF_HUB_OFFLINE) or not allow_download
-    try:
-        folder = huggingface_hub.snapshot_download(
-            repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.md"],
-            local_files_only=offline,
-        )
-    except Exception as exc:  # the hub client raises many types for "not here / not reachable"
-        how = (
-            "the hub is unreachable or offline mode is on (HF_HUB_OFFLINE)"
-            if offline or "connect" in str(exc).lower() or "resolve" in str(exc).lower()
-            else str(exc).splitlines()[0]
-        )
-        raise ModelNotFoundError(
-            f"model {repo_id!r} is not a local folder and is not in the local Hugging Face cache ({how}). "
-            f"Get it where the network allows with `hf download {repo_id}` (then copy the cache folder, "
-            f"or set HF_HOME to it), or pass the path of a local checkpoint folder; "
-            f"'embedded' needs no download from the hub."
-        ) from exc
-    path = Path(folder)
-    return ResolvedCheckpoint(path, repo_id, path.name, "hub")
+def load_backbone(
+    name_or_path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    interpolation: InterpolationRule = "transformers",
+    allow_pickle: bool = False,
+    cache_dir: Path | None = None,
+    autocast: torch.dtype | None = None,
+) -> Backbone:
+    """Load a ViT-family backbone from a local HF folder, a hub id (local cache first) or `embedded`."""
+    checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
+    config = load_config(checkpoint.path)
+    config.spec.resample_method(interpolation)  # validate before paying for the weights
+    model = instantiate_model(checkpoint.path, config, allow_pickle=allow_pickle, dtype=dtype)
+    model.to(torch.device(device))
+    defaults = _read_defaults(checkpoint.path, config.spec)
+    return Backbone(
+        model,
+        config,
+        checkpoint,
+        preprocess_config(checkpoint.path, config),
+        interpolation=interpolation,
+        defaults=defaults,
+        autocast=autocast,
+    )
 
 
-def _local_revision(path: Path) -> str:
-    """A content fingerprint cheap enough for multi-GB checkpoints: config bytes plus, per weight file,
-    its size, mtime and safetensors header (names, dtypes, shapes, offsets). Hashing every weight byte
-    would cost seconds per GB at every start."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        stat = weights.stat()
-        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        digest.update(json.dumps(read_safetensors_header(weights), sort_keys=True).encode())
-    return "local-" + digest.hexdigest()[:12]
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelNotFoundError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelNotFoundError(f"{folder / 'config.json'} is not a JSON object")
-    return config
-
-
-def read_processor_config(folder: Path) -> dict[str, Any] | None:
-    file = folder / "preprocessor_config.json"
-    if not file.is_file():
+def _read_defaults(folder: Path, spec: FamilySpec) -> EmbedDefaults | None:
+    raw = read_embed_defaults(folder)
+    if not raw:
         return None
-    data = json.loads(file.read_text())
-    return data if isinstance(data, dict) else None
-
-
-def check_weights_safe(folder: Path, *, allow_pickle: bool) -> bool:
-    """True if the folder holds safetensors; refuse pickle-only folders unless allowed."""
-    if any(folder.glob("*.safetensors")):
-        return True
-    pickles = [p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES]
-    if pickles and not allow_pickle:
-        raise UnsafeCheckpointError(
-            f"{folder} holds only pickle weights ({', '.join(sorted(pickles))}); "
-            f"pickle can run code on load. "
-            f"Convert them to safetensors, or pass allow_pickle=True if you trust the file."
-        )
-    if not pickles:
-        raise ModelNotFoundError(f"{folder} has a config.json but no weight files (*.safetensors)")
-    return False
-
-
-def _has_tensor_prefix(folder: Path, prefix: str) -> bool:
-    for weights in folder.glob("*.safetensors"):
-        header = read_safetensors_header(weights)
-        if any(key.startswith(prefix) or f".{prefix}" in key for key in header):
-            return True
-    return False
+    layers = raw.get("layers")
+    return EmbedDefaults(
+        pooling=check_pooling(raw.get("pooling", spec.default_pooling)),
+        layers=None if layers is None else tuple(int(i) for i in layers),
+        policy=raw.get("policy", "crop"),
+    )
 
 
 def instantiate_model(
     folder: Path,
-    spec: FamilySpec,
-    config: dict[str, Any],
+    config: ModelConfig,
     *,
     allow_pickle: bool,
     dtype: torch.dtype | None,
 ) -> torch.nn.Module:
+    spec = config.spec
     use_safetensors = check_weights_safe(folder, allow_pickle=allow_pickle)
     model_class = getattr(transformers, spec.model_class)
     kwargs: dict[str, Any] = {
@@ -157,14 +87,14 @@ def instantiate_model(
     }
     if spec.name == "vit":
         # A ViT checkpoint without pooler weights would get a randomly initialised tanh pooler.
-        kwargs["add_pooling_layer"] = use_safetensors and _has_tensor_prefix(folder, "pooler.dense.")
+        kwargs["add_pooling_layer"] = use_safetensors and has_tensor_prefix(folder, "pooler.dense.")
     with _quiet_transformers():  # a CLIP/SigLIP dual encoder reports every text weight as "unexpected"
         model, loading_info = model_class.from_pretrained(str(folder), output_loading_info=True, **kwargs)
     missing = [k for k in loading_info.get("missing_keys", []) if "pooler" not in k and "mask_token" not in k]
     if missing:
         raise ModelNotFoundError(
             f"{folder} does not hold a complete {spec.model_class}: {len(missing)} weights missing "
-            f"(e.g. {missing[:3]}); is model_type {config.get('model_type')!r} right?"
+            f"(e.g. {missing[:3]}); is model_type {config.raw.get('model_type')!r} right?"
         )
     model.eval()
     return model
@@ -182,8 +112,3 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         hf_logging.set_verbosity(previous)
         hf_logging.enable_progress_bar()
-
-
-def load_spec(folder: Path) -> tuple[FamilySpec, dict[str, Any]]:
-    config = read_config(folder)
-    return family_for(config), config

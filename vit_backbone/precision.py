@@ -8,13 +8,14 @@ float32; on this project's reference machine (AMX) it is ~3x faster at batch 8.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 if TYPE_CHECKING:
     from .backbone import Backbone
@@ -98,6 +99,19 @@ class PrecisionChoice:
         return f"{self.label} autocast (min cosine {self.min_cosine:.5f} to float32)"
 
 
+def probe_images() -> list[Image.Image]:
+    """Deterministic textured images of four aspect ratios (no data files needed): what the precision rule
+    measures on, and what the server warms up with."""
+    rng = np.random.default_rng(0)
+    images = []
+    for height, width in ((480, 640), (600, 400), (512, 512), (300, 900)):
+        yy, xx = np.mgrid[0:height, 0:width]
+        base = np.stack([xx * 255 // width, yy * 255 // height, (xx + yy) * 127 // (height + width)], -1)
+        noise = rng.integers(0, 64, size=(height, width, 3))
+        images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)))  # [H, W, 3] uint8
+    return images
+
+
 def choose_autocast(
     backbone: Backbone,
     precision: str,
@@ -105,6 +119,7 @@ def choose_autocast(
     *,
     batch_size: int = 8,
     native_bf16: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
     **embed_options: Any,
 ) -> PrecisionChoice:
     """The one precision rule of vitembed (the server and the catalog job both use it).
@@ -117,7 +132,7 @@ def choose_autocast(
     neither timing pays first-call costs the other does not. ``embed_options`` (pooling, layers, size,
     policy) are passed to ``backbone.embed`` so the check measures the vectors that will be used.
     ``backbone.autocast`` is restored; the caller applies ``choice.dtype``. ``native_bf16`` overrides the
-    CPU-flag check (None: read /proc/cpuinfo).
+    CPU-flag check (None: read /proc/cpuinfo); ``clock`` is what the two timed passes are measured with.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -133,9 +148,9 @@ def choose_autocast(
     previous = backbone.autocast
     try:
         backbone.autocast = None
-        reference, fp32_s = _timed_embed(backbone, images, batch_size, embed_options)
+        reference, fp32_s = _timed_embed(backbone, images, batch_size, embed_options, clock)
         backbone.autocast = dtype
-        candidate, low_s = _timed_embed(backbone, images, batch_size, embed_options)
+        candidate, low_s = _timed_embed(backbone, images, batch_size, embed_options, clock)
     finally:
         backbone.autocast = previous
     cosine = min_cosine(reference, candidate)
@@ -145,11 +160,15 @@ def choose_autocast(
 
 
 def _timed_embed(
-    backbone: Backbone, images: Sequence[Any], batch_size: int, options: dict[str, Any]
+    backbone: Backbone,
+    images: Sequence[Any],
+    batch_size: int,
+    options: dict[str, Any],
+    clock: Callable[[], float],
 ) -> tuple[np.ndarray, float]:
     """One untimed pass (first-call costs: kernels, allocator, autocast caches), then the timed one, both
     on the same images at the same batch size."""
     backbone.embed(list(images), batch_size=batch_size, **options)
-    started = time.perf_counter()
+    started = clock()
     vectors = backbone.embed(list(images), batch_size=batch_size, **options)  # [N, F]
-    return vectors, time.perf_counter() - started
+    return vectors, clock() - started

@@ -4,7 +4,6 @@ each precision warmed up at the timed batch size before it is timed."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,18 +24,54 @@ def backbone(tiny_checkpoints: dict[str, Path]) -> Backbone:
     return load_backbone(tiny_checkpoints["dinov2"])
 
 
+class ScriptedClock:
+    """A clock that reads the given times in order: the probe's two timed passes take exactly what the
+    test says, whatever the machine is doing."""
+
+    def __init__(self, *readings: float) -> None:
+        self.readings = list(readings)
+
+    def __call__(self) -> float:
+        return self.readings.pop(0)
+
+
+def passes(fp32_s: float, low_s: float) -> ScriptedClock:
+    """Readings for a float32 pass of ``fp32_s`` seconds, then a low-precision pass of ``low_s``."""
+    return ScriptedClock(0.0, fp32_s, 100.0, 100.0 + low_s)
+
+
+def at_cosine(target: float) -> Callable[[Any, np.ndarray], np.ndarray]:
+    """A low-precision output whose every row has exactly cosine ``target`` to the float32 row: the row plus
+    an orthogonal component of |row|·tan(θ)."""
+
+    def change(options: Any, vectors: np.ndarray) -> np.ndarray:
+        rows = vectors.reshape(len(vectors), -1).astype(np.float64)  # [N, F]
+        noise = np.random.default_rng(0).normal(size=rows.shape)
+        noise -= (noise * rows).sum(1, keepdims=True) / (rows * rows).sum(1, keepdims=True) * rows
+        noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+        tangent = np.tan(np.arccos(target)) * np.linalg.norm(rows, axis=1, keepdims=True)
+        return (rows + tangent * noise).reshape(vectors.shape)
+
+    return change
+
+
 def spy(
     backbone: Backbone,
     monkeypatch: pytest.MonkeyPatch,
     change: Callable[[Any, np.ndarray], np.ndarray] | None = None,
 ) -> list[tuple[Any, int, int]]:
-    """Record (autocast, batch_size, images) per ``embed`` call; ``change`` may alter what bf16 returns."""
+    """Record (autocast, batch_size, images) per ``embed`` call; the low-precision passes return the float32
+    vectors (cosine 1), or ``change`` of them."""
     calls: list[tuple[Any, int, int]] = []
     real = backbone.embed
 
     def embed(images: Any, **options: Any) -> np.ndarray:
         calls.append((backbone.autocast, options["batch_size"], len(images)))
-        vectors = real(images, **options)
+        autocast, backbone.autocast = backbone.autocast, None
+        try:
+            vectors = real(images, **options)  # float32 in every pass: a known reference
+        finally:
+            backbone.autocast = autocast
         return vectors if change is None or backbone.autocast is None else change(options, vectors)
 
     monkeypatch.setattr(backbone, "embed", embed)
@@ -52,12 +87,21 @@ def test_explicit_settings_are_honoured(backbone: Backbone, monkeypatch: pytest.
         choose_autocast(backbone, "float16", IMAGES)
     with pytest.raises(ValueError, match="precision must be one of auto, float32, bfloat16, float16"):
         choose_autocast(backbone, "int8", IMAGES)
-    # an explicit bfloat16 is kept even where it is not native or slower; its cosine is reported
-    forced = choose_autocast(backbone, "bfloat16", IMAGES, native_bf16=False, pooling="mean")
+    # an explicit bfloat16 is kept even where it is not native, slower and drifting; its cosine is reported
+    spy(backbone, monkeypatch, at_cosine(0.99))
+    forced = choose_autocast(
+        backbone, "bfloat16", IMAGES, native_bf16=False, pooling="mean", clock=passes(1.0, 3.0)
+    )
     assert forced.dtype is torch.bfloat16 and forced.label == "bfloat16"
-    assert forced.min_cosine is not None and 0.99 < forced.min_cosine <= 1.0 + 1e-6
-    assert forced.describe() == f"bfloat16 autocast (min cosine {forced.min_cosine:.5f} to float32)"
+    assert forced.min_cosine == pytest.approx(0.99, abs=1e-9)
+    assert forced.seconds == pytest.approx((1.0, 3.0))
+    assert forced.describe() == "bfloat16 autocast (min cosine 0.99000 to float32)"
     assert backbone.autocast is None  # restored: the caller applies the choice
+
+
+def test_real_bfloat16_vectors_stay_close_to_float32(backbone: Backbone) -> None:
+    forced = choose_autocast(backbone, "bfloat16", IMAGES, native_bf16=False, pooling="mean")
+    assert forced.min_cosine is not None and 0.99 < forced.min_cosine <= 1.0 + 1e-6
 
 
 def test_auto_without_native_bf16_is_float32_without_probing(
@@ -73,34 +117,40 @@ def test_auto_probe_warms_up_each_precision_at_the_timed_batch_size(
     backbone: Backbone, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = spy(backbone, monkeypatch)
-    choice = choose_autocast(backbone, "auto", IMAGES, batch_size=4, native_bf16=True)
+    clock = passes(1.0, 0.5)
+    choice = choose_autocast(backbone, "auto", IMAGES, batch_size=4, native_bf16=True, clock=clock)
     n = len(IMAGES)
     bf16 = torch.bfloat16
     assert calls == [(None, 4, n), (None, 4, n), (bf16, 4, n), (bf16, 4, n)]  # warm-up, timed; warm-up, timed
-    assert choice.seconds is not None and choice.min_cosine is not None
-    fp32_s, low_s = choice.seconds
-    keep = choice.min_cosine >= 0.999 and low_s <= SLOWER_VETO * fp32_s
-    assert choice.label == ("bfloat16" if keep else "float32")
+    assert clock.readings == []  # exactly the two timed passes were timed
+    assert (choice.label, choice.dtype, choice.seconds) == ("bfloat16", bf16, pytest.approx((1.0, 0.5)))
     assert backbone.autocast is None
 
 
-def test_auto_drops_bfloat16_when_clearly_slower(backbone: Backbone, monkeypatch: pytest.MonkeyPatch) -> None:
-    def slow(options: Any, vectors: np.ndarray) -> np.ndarray:
-        time.sleep(0.3)  # far over 1.25x a tiny model's float32 pass
-        return vectors
-
-    spy(backbone, monkeypatch, slow)
-    choice = choose_autocast(backbone, "auto", IMAGES, native_bf16=True)
-    assert choice.label == "float32" and choice.dtype is None
-    assert choice.seconds is not None and choice.seconds[1] > SLOWER_VETO * choice.seconds[0]
-    # the same slowness does not override an explicit request
-    assert choose_autocast(backbone, "bfloat16", IMAGES, native_bf16=True).label == "bfloat16"
-
-
-def test_auto_drops_bfloat16_when_vectors_drift(backbone: Backbone, monkeypatch: pytest.MonkeyPatch) -> None:
-    def drift(options: Any, vectors: np.ndarray) -> np.ndarray:
-        return vectors + np.random.default_rng(0).normal(0, vectors.std() * 0.2, vectors.shape)  # cos ≈ 0.98
-
-    spy(backbone, monkeypatch, drift)
-    choice = choose_autocast(backbone, "auto", IMAGES, native_bf16=True)
-    assert choice.label == "float32" and choice.min_cosine is not None and choice.min_cosine < 0.999
+@pytest.mark.parametrize(
+    ("fp32_s", "low_s", "cosine", "label"),
+    [
+        (1.0, 0.5, 1.0, "bfloat16"),  # faster and equal
+        (1.0, SLOWER_VETO, 1.0, "bfloat16"),  # exactly 1.25x float32's time is still kept
+        (1.0, SLOWER_VETO + 0.01, 1.0, "float32"),  # clearly slower: dropped
+        (2.0, 2.4, 0.9991, "bfloat16"),  # a little slower, within the cosine bound
+        (2.0, 1.0, 0.9989, "float32"),  # faster, but drifts past cosine 0.999
+    ],
+)
+def test_auto_rule_on_given_timings_and_cosines(
+    backbone: Backbone,
+    monkeypatch: pytest.MonkeyPatch,
+    fp32_s: float,
+    low_s: float,
+    cosine: float,
+    label: str,
+) -> None:
+    spy(backbone, monkeypatch, None if cosine == 1.0 else at_cosine(cosine))
+    choice = choose_autocast(backbone, "auto", IMAGES, native_bf16=True, clock=passes(fp32_s, low_s))
+    assert choice.label == label
+    assert choice.dtype is (torch.bfloat16 if label == "bfloat16" else None)
+    assert choice.min_cosine == pytest.approx(cosine, abs=1e-9)
+    assert choice.seconds == pytest.approx((fp32_s, low_s))
+    # the same timings and drift do not override an explicit request
+    explicit = choose_autocast(backbone, "bfloat16", IMAGES, native_bf16=True, clock=passes(fp32_s, low_s))
+    assert explicit.label == "bfloat16"

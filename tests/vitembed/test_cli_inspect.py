@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vitembed.cli import main as cli
 from vitembed.cli.main import main
+
+from vit_backbone.specs import FAMILY_NAMES as FAMILIES
 
 TINY: dict[str, Any] = {
     "hidden_size": 32,
@@ -162,21 +163,35 @@ def test_inspect_full_clip_counts_the_vision_tower(
     assert data["requested"]["tokens"] == 196  # CLIP's default processor: 224 px at /16
 
 
-def test_fallback_without_resolve_checkpoint(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, dinov2_folder: tuple[Path, int]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_minimal_config_equals_full_config(
+    family: str,
+    capsys: pytest.CaptureFixture[str],
+    tiny_checkpoints: dict[str, Path],
+    minimal_checkpoints: dict[str, Path],
 ) -> None:
-    """Works on a bare folder even where vit_backbone.loading is absent."""
-    real = cli.importlib.util.find_spec
+    """A config.json that omits transformers' default values describes the same model."""
+    full = run_json(capsys, str(tiny_checkpoints[family]))
+    minimal = run_json(capsys, str(minimal_checkpoints[family]))
+    for data in (full, minimal):
+        del data["model"], data["path"], data["revision"]
+    assert minimal == full
+    assert full["arch"]["family"] == family
 
-    def find_spec(name: str, *args: Any) -> Any:
-        return None if name == "vit_backbone.loading" else real(name, *args)
 
-    monkeypatch.setattr(cli.importlib.util, "find_spec", find_spec)
-    folder, numel = dinov2_folder
-    data = run_json(capsys, str(folder))
-    assert data["params"] == numel
-    assert data["revision"] is None
-    assert_usage_error(capsys, ["inspect", str(folder.parent / "nope")], "not a checkpoint folder")
+def test_inspect_unusable_config_is_one_line_naming_file_and_field(
+    capsys: pytest.CaptureFixture[str], minimal_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "broken-clip"
+    shutil.copytree(minimal_checkpoints["clip"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_usage_error(
+        capsys,
+        ["inspect", str(folder)],
+        f"{folder / 'config.json'}: field vision_config.num_hidden_layers is null",
+    )
 
 
 # -------------------------------------------------------------------------------------------- errors

@@ -386,13 +386,10 @@ def check_model(meta: CatalogMeta, revision: str, preprocess_hash: str, model: s
 
 def checkpoint_fingerprint(target: str, cache_dir: Path | None = None) -> tuple[str, str]:
     """(revision, preprocessing hash) of a model reference, read from its files without loading weights."""
-    from vit_backbone.loading import load_spec, read_processor_config, resolve_checkpoint
-    from vit_backbone.preprocess import PreprocessConfig
+    from vit_backbone.checkpoint import checkpoint_facts
 
-    checkpoint = resolve_checkpoint(target, cache_dir=cache_dir)
-    spec, _ = load_spec(checkpoint.path)
-    processor = read_processor_config(checkpoint.path) or dict(spec.default_processor)
-    return checkpoint.revision, PreprocessConfig.from_processor_dict(processor).hash()
+    facts = checkpoint_facts(target, cache_dir)
+    return facts.revision, facts.preprocess_hash
 
 
 def load_query_backbone(

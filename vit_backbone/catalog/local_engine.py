@@ -25,7 +25,7 @@ from vit_backbone.catalog.error_log import ErrorLog, ItemFailure
 from vit_backbone.catalog.job_folder import OutputState
 from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.catalog.prefetch import OrderedPrefetcher, Stopped
-from vit_backbone.catalog.shards import build_table, write_shard
+from vit_backbone.catalog.shards import build_table, shard_name, write_shard
 from vit_backbone.catalog.sources import Source, SourceItem
 from vit_backbone.pooling import check_pooling
 from vit_backbone.preprocess import Prepared
@@ -104,12 +104,17 @@ class ShardWriter:
         extra = {name: [item.extra[k] for item in items] for k, name in enumerate(self.extra_columns)}
         table = build_table([item.id for item in items], vectors[:count], extra, self.state.meta)
         self.errors.sync()  # failures met before these rows are durable no later than the rows
-        write_shard(self.state.folder, self.next_index, table)
-        self.next_index += 1
-        self.shards += 1
-        self.written += count
-        self._items = rest
-        self._vectors = [vectors[count:]] if rest else []
+        try:
+            write_shard(self.state.folder, self.next_index, table)
+        finally:
+            # A second Ctrl-C (KeyboardInterrupt) may land anywhere: once the shard's file exists its rows
+            # are committed, so they must leave the buffer, or the final flush would write them again.
+            if (self.state.folder / shard_name(self.next_index)).exists():
+                self.next_index += 1
+                self.shards += 1
+                self.written += count
+                self._items = rest
+                self._vectors = [vectors[count:]] if rest else []
 
 
 def summarize(

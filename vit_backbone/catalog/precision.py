@@ -10,26 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from vit_backbone.backbone import Backbone
-from vit_backbone.precision import PrecisionChoice, autocast_dtype, choose_autocast
+from vit_backbone.precision import PrecisionChoice, autocast_dtype, choose_autocast, probe_images
 
-PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 STORED = ("float32", "bfloat16", "float16")  # what a choice resolves to
-
-
-def probe_images() -> list[Image.Image]:
-    """Deterministic textured images of several aspect ratios (no data files needed)."""
-    rng = np.random.default_rng(0)
-    images = []
-    for height, width in ((480, 640), (600, 400), (512, 512), (300, 900)):
-        yy, xx = np.mgrid[0:height, 0:width]
-        base = np.stack([xx * 255 // width, yy * 255 // height, (xx + yy) * 127 // (height + width)], -1)
-        noise = rng.integers(0, 64, size=(height, width, 3))
-        images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)))
-    return images
 
 
 def choose_precision(

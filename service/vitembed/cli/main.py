@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import os
 import sys
@@ -27,8 +26,15 @@ from vit_backbone.architectures import (
     arch_from_hf_config,
     count_params,
 )
+from vit_backbone.checkpoint import (
+    load_config,
+    read_embed_defaults,
+    read_processor_config,
+    resolve_checkpoint,
+)
 from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cost_table, standard_sizes
-from vit_backbone.errors import ModelNotFoundError, UnsupportedModelError, VitEmbedError
+from vit_backbone.errors import ModelNotFoundError, VitEmbedError
+from vit_backbone.preprocess_config import PreprocessConfig
 from vit_backbone.safetensors_io import count_params_from_safetensors
 from vitembed.cli.embed_catalog import configure_embed_catalog, run_embed_catalog
 from vitembed.cli.heads import configure_heads, run_heads
@@ -44,8 +50,6 @@ from vitembed.cli.serve import SettingsError, configure_serve, run_serve
 
 PROG = "vitembed"
 EXIT_USAGE = 2  # bad arguments, unknown model, invalid size: the user's input, not a crash
-
-_DUAL_ENCODERS = ("clip", "siglip")  # full checkpoints hold a text tower too; count the vision tower only
 
 
 class _UsageError(Exception):
@@ -101,18 +105,9 @@ def _configure_inspect(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_folder(model: str) -> tuple[Path, str, str | None]:
-    """(folder, name, revision) through vit_backbone.loading when present, else a plain local folder."""
-    if importlib.util.find_spec("vit_backbone.loading") is not None:
-        from vit_backbone import loading
-
-        resolve = getattr(loading, "resolve_checkpoint", None)
-        if resolve is not None:
-            resolved = resolve(model)
-            return Path(resolved.path), str(resolved.name), str(resolved.revision)
-    folder = Path(model).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(f"{model} is not a checkpoint folder (expected a folder with config.json)")
-    return folder, folder.resolve().name, None
+    """(folder, name, revision) of a local folder, a hub id from the local cache, or ``embedded``."""
+    resolved = resolve_checkpoint(model)
+    return resolved.path, resolved.name, resolved.revision
 
 
 def _unknown_model_hint(model: str) -> str:
@@ -135,17 +130,9 @@ def _inspect_target(model: str) -> _Target:
             f"unknown model {model!r}: not a standard architecture, a checkpoint folder, "
             f"or a hub id that could be resolved; {_unknown_model_hint(model)}"
         ) from exc
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError as exc:
-        raise ModelNotFoundError(f"{folder} has no config.json") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnsupportedModelError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{folder / 'config.json'} is not a JSON object")
+    config = load_config(folder)  # fields it omits take transformers' defaults
     arch = arch_from_hf_config(config)
-    prefix = "vision_model." if config.get("model_type") in _DUAL_ENCODERS else ""
-    params = count_params_from_safetensors(folder, prefix=prefix)
+    params = count_params_from_safetensors(folder, prefix=config.weights_prefix)
     return _Target(name, arch, params, "safetensors", folder, revision)
 
 
@@ -216,14 +203,10 @@ def _inspect_json(target: _Target, requested: CostReport, reports: Sequence[Cost
 def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
     """How the library will use this checkpoint (read from its files; no weights loaded): the resampling
     rule, the preprocessing and its hash, the embed defaults, and the size its own processor produces."""
-    from vit_backbone.loading import load_spec, read_processor_config
-    from vit_backbone.preprocess import PreprocessConfig
-
-    spec, _ = load_spec(folder)
+    spec = load_config(folder).spec
     processor = read_processor_config(folder)
     config = PreprocessConfig.from_processor_dict(processor or spec.default_processor)
-    meta_file = folder / "vitembed.json"
-    defaults = json.loads(meta_file.read_text()).get("defaults", {}) if meta_file.is_file() else {}
+    defaults = read_embed_defaults(folder)
     resize = (
         f"shortest edge {config.shortest_edge}"
         if config.shortest_edge
@@ -242,7 +225,7 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
         ("preprocess #", config.hash()),
         (
             "defaults",
-            f"pooling={defaults.get('pooling', 'cls' if spec.has_cls else 'pooler')}, "
+            f"pooling={defaults.get('pooling', spec.default_pooling)}, "
             f"layers={defaults.get('layers')}, policy={defaults.get('policy', 'crop')}",
         ),
     ]

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from vit_backbone.errors import MissingExtraError
+from vit_backbone.errors import MissingExtraError, ModelLoadError, VitEmbedError
 from vitembed.settings_error import SettingsError as SettingsError  # re-exported: it lived here
 
 # flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
@@ -104,6 +104,20 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def _preflight_models(settings: Any) -> None:
+    """Every served model's config.json is usable (read from its files, no weights loaded); a model that
+    cannot be found is left to the engine, which reports it at start-up."""
+    from vit_backbone.checkpoint import checkpoint_facts
+
+    for name, target in settings.models.items():
+        try:
+            checkpoint_facts(target, settings.cache_dir)
+        except ModelLoadError as exc:
+            raise SettingsError(f"model {name!r}: {exc}") from exc
+        except VitEmbedError:
+            continue
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         from vitembed.settings import ServiceSettings
@@ -114,6 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServiceSettings(**settings_overrides(args))
     except (ValidationError, ValueError) as exc:
         raise SettingsError(_first_error(exc)) from exc
+    _preflight_models(settings)  # before loading any weights: an unusable config.json stops start-up
     if settings.indexes:  # before loading any weights: a table no served model can query stops start-up
         from vitembed.server.routes_search import preflight_indexes
 

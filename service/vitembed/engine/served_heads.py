@@ -68,13 +68,10 @@ def _match(name: str, path: str, card: HeadCard, served: Mapping[str, tuple[str,
 
 def model_facts(target: str, cache_dir: Path | None) -> tuple[str, str]:
     """(revision, preprocess hash) of a model reference, read from its files without loading weights."""
-    from vit_backbone.loading import load_spec, read_processor_config, resolve_checkpoint
-    from vit_backbone.preprocess import PreprocessConfig
+    from vit_backbone.checkpoint import checkpoint_facts
 
-    checkpoint = resolve_checkpoint(target, cache_dir=cache_dir)
-    spec, _ = load_spec(checkpoint.path)
-    processor = read_processor_config(checkpoint.path) or dict(spec.default_processor)
-    return checkpoint.revision, PreprocessConfig.from_processor_dict(processor).hash()
+    facts = checkpoint_facts(target, cache_dir)
+    return facts.revision, facts.preprocess_hash
 
 
 def preflight_heads(settings: ServiceSettings) -> None:

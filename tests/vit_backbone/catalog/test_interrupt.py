@@ -1,20 +1,21 @@
 """Interrupting a real ``vitembed embed-catalog`` process and running it again.
 
-The job gets enough work to be caught mid-run without any hook in the library: the 12 generated images
-and a truncated one, then ``SLOW_ROWS`` rows of an 800x800 PNG (≈ 10 ms to decode each), committed two
-rows per shard. The test polls for the first committed shard, signals the process at once, and checks
-that the final shard was not written yet (so the job really was interrupted). Whatever was committed
-must be a gap-free prefix of the source; a rerun with the same arguments must then hold every id exactly
-once, with the vectors of the library (≤ 1e-5), and no temporary file left over.
+The job (the 12 generated images, a truncated one, then ``MORE_ROWS`` rows of an 800x800 PNG, two rows per
+shard) runs through ``paused_job.py``: the real command, which after committing its first shard tells the
+test so through a pipe and waits on a second pipe. The test sends the real signal (SIGKILL, SIGINT,
+SIGTERM) only then, and opens the gate only after the signal: the job is caught mid-run by construction,
+and exactly the first shard is committed when the signal is handled. Whatever was committed must be a
+gap-free prefix of the source; a rerun with the same arguments must then hold every id exactly once, with
+the vectors of the library (≤ 1e-5), and no temporary file left over.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
     from conftest import RunCli  # tests/catalog/conftest.py (typing only: 'conftest' is ambiguous at runtime)
 
 ROOT = Path(__file__).resolve().parents[3]
+PAUSED_JOB = Path(__file__).with_name("paused_job.py")
 SHARD = 2
-SLOW_ROWS = 120
-WAIT_S = 90.0
+MORE_ROWS = 8
+WAIT_S = 120.0  # for the first shard of a fresh process (imports, model load); a bound, not an ordering
 FLAGS = ("--shard-size", str(SHARD), "--batch-size", "2")
 
 
@@ -43,7 +45,7 @@ class Job:
         slow.write_bytes(encode(picture(4242, 800, 800), "PNG"))
         rows = [(f"img-{n:02d}", str(tree.root / rel)) for n, rel in enumerate(tree.good)]
         rows.insert(4, ("bad-truncated", str(tree.root / "broken/truncated.jpg")))
-        rows += [(f"slow-{k:03d}", str(slow)) for k in range(SLOW_ROWS)]
+        rows += [(f"slow-{k:03d}", str(slow)) for k in range(MORE_ROWS)]
         self.manifest = folder / "manifest.csv"
         self.manifest.write_text("id,path\n" + "".join(f"{i},{p}\n" for i, p in rows))
         self.ids = [i for i, _ in rows]
@@ -51,21 +53,8 @@ class Job:
         self.rows = [i for i in self.ids if i != "bad-truncated"]  # what the catalog ends up holding
         self.last_shard = (len(self.rows) + SHARD - 1) // SHARD - 1
 
-    def start(self, out: Path, model: Path) -> subprocess.Popen[str]:
-        argv = [
-            sys.executable,
-            "-m",
-            "vitembed",
-            "embed-catalog",
-            str(self.manifest),
-            "--out",
-            str(out),
-        ]
-        argv += ["--model", str(model), "--precision", "float32", *FLAGS]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        return subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+    def start(self, out: Path, model: Path) -> PausedJob:
+        return PausedJob(self, out, model)
 
     def expected(self, backbone: Backbone, ids: list[str]) -> np.ndarray:
         cache: dict[str, np.ndarray] = {}
@@ -76,20 +65,69 @@ class Job:
         return np.stack([cache[self.paths[i]] for i in ids])  # [N, D]
 
 
-def interrupt_after_first_shard(proc: subprocess.Popen[str], out: Path, job: Job, *signums: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not (out / "part-00000.parquet").exists():
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended early ({proc.returncode}): {proc.communicate()[1]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no shard within {WAIT_S} s: {proc.communicate()[1]}")
-        time.sleep(0.005)
-    for n, signum in enumerate(signums):
-        if n:
-            time.sleep(0.02)
-        proc.send_signal(signum)
-    assert not (out / f"part-{job.last_shard:05d}.parquet").exists(), "the job finished before the signal"
+class PausedJob:
+    """The job in its own process, paused right after committing its first shard (see paused_job.py)."""
+
+    def __init__(self, job: Job, out: Path, model: Path) -> None:
+        self.job = job
+        self.ready, ready_w = os.pipe()
+        gate_r, self.gate = os.pipe()
+        argv = [sys.executable, str(PAUSED_JOB), str(ready_w), str(gate_r), "embed-catalog"]
+        argv += [
+            str(job.manifest),
+            "--out",
+            str(out),
+            "--model",
+            str(model),
+            "--precision",
+            "float32",
+            *FLAGS,
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            pass_fds=(ready_w, gate_r),
+        )
+        os.close(ready_w)  # the child holds the only write end: its exit reads as end of file
+        os.close(gate_r)
+
+    def wait_first_shard(self) -> None:
+        readable, _, _ = select.select([self.ready], [], [], WAIT_S)
+        if not readable:
+            self.proc.kill()
+            pytest.fail(f"no shard within {WAIT_S} s: {self.proc.communicate()[1]}")
+        if os.read(self.ready, 1) != b"1":
+            pytest.fail(f"the job ended early ({self.proc.wait()}): {self.proc.communicate()[1]}")
+
+    def signal_then_release(self, signum: int) -> None:
+        """The signal is pending in the paused job before the gate opens."""
+        self.proc.send_signal(signum)
+        os.write(self.gate, b"1")
+
+    def read_stderr_until(self, needle: str) -> str:
+        """stderr up to the moment it holds ``needle`` (the job printed it: an event), read unbuffered so
+        that ``communicate`` reads the rest."""
+        assert self.proc.stderr is not None
+        fd, seen = self.proc.stderr.fileno(), b""
+        while needle.encode() not in seen:
+            readable, _, _ = select.select([fd], [], [], WAIT_S)
+            chunk = os.read(fd, 4096) if readable else b""
+            if not chunk:
+                self.proc.kill()
+                pytest.fail(f"the job printed no {needle!r}: {seen.decode(errors='replace')}")
+            seen += chunk
+        return seen.decode()
+
+    def communicate(self, before: str = "") -> tuple[str, str]:
+        stdout, stderr = self.proc.communicate(timeout=WAIT_S)
+        os.close(self.ready)
+        os.close(self.gate)
+        return stdout, before + stderr
 
 
 def check_prefix(out: Path, job: Job, *, whole_shards: bool = True) -> int:
@@ -125,15 +163,16 @@ def test_kill_9_then_rerun_resumes(
 ) -> None:
     job = Job(tree, tmp_path / "src")
     out = tmp_path / "cat"
-    proc = job.start(out, tiny_path)
-    interrupt_after_first_shard(proc, out, job, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    committed = check_prefix(out, job)
+    paused = job.start(out, tiny_path)
+    paused.wait_first_shard()
+    paused.proc.kill()
+    paused.communicate()
+    assert paused.proc.returncode == -signal.SIGKILL
+    assert check_prefix(out, job) == SHARD  # killed while paused after the first shard
     # a kill during a shard write leaves its temporary file: the rerun must delete it, not mistake it
     leftover = out / f"part-{len(shard_paths(out)):05d}.parquet.tmp"
     leftover.write_bytes(b"PAR1 half a shard")
-    finish_and_check(run_cli, job, out, tiny, committed)
+    finish_and_check(run_cli, job, out, tiny, SHARD)
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -148,18 +187,20 @@ def test_signal_commits_what_is_done_and_exits(
 ) -> None:
     job = Job(tree, tmp_path / "src")
     out = tmp_path / "cat"
-    proc = job.start(out, tiny_path)
-    interrupt_after_first_shard(proc, out, job, signum)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == status, stderr
+    paused = job.start(out, tiny_path)
+    paused.wait_first_shard()
+    paused.signal_then_release(signum)
+    stdout, stderr = paused.communicate()
+    assert paused.proc.returncode == status, stderr
     assert "stopping: committing the rows embedded so far" in stderr and "Traceback" not in stderr
-    n = check_prefix(out, job, whole_shards=False)
-    failed = len(read_failures(out))
+    # the handler ran before the job went on: nothing past the first shard was embedded or committed
+    assert check_prefix(out, job, whole_shards=False) == SHARD
+    assert read_failures(out) == []  # the truncated image (row 5) was never reached
     assert stdout.startswith(
-        f"interrupted: {n} rows written, {failed} errors, 0 already done; catalog holds {n}"
+        f"interrupted: {SHARD} rows written, 0 errors, 0 already done; catalog holds {SHARD}"
     )
     assert not list(out.glob("*.tmp"))
-    finish_and_check(run_cli, job, out, tiny, n)
+    finish_and_check(run_cli, job, out, tiny, SHARD)
 
 
 def test_second_ctrl_c_aborts_without_a_traceback(
@@ -167,13 +208,17 @@ def test_second_ctrl_c_aborts_without_a_traceback(
 ) -> None:
     job = Job(tree, tmp_path / "src")
     out = tmp_path / "cat"
-    proc = job.start(out, tiny_path)
-    interrupt_after_first_shard(proc, out, job, signal.SIGINT, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    paused = job.start(out, tiny_path)
+    paused.wait_first_shard()
+    paused.proc.send_signal(signal.SIGINT)  # the paused job handles it while it waits at the gate
+    before = paused.read_stderr_until("(Ctrl-C again to abort now)")
+    paused.signal_then_release(signal.SIGINT)  # still inside the first shard's commit: it aborts there
+    stdout, stderr = paused.communicate(before)
+    assert paused.proc.returncode == 130, stderr
     assert "Traceback" not in stderr
-    # the second Ctrl-C either aborted the commit, or came after it (then it is ignored: nothing to abort)
-    aborted = "\naborted: rows in committed shards and errors.jsonl are kept" in stderr
-    assert aborted or stdout.startswith("interrupted: "), (stdout, stderr)
-    n = check_prefix(out, job, whole_shards=False)
-    finish_and_check(run_cli, job, out, tiny, n)
+    assert "\naborted: rows in committed shards and errors.jsonl are kept" in stderr, stderr
+    assert stdout == ""
+    # the abort came right after the first shard's file was written: its rows count as committed, once
+    assert check_prefix(out, job) == SHARD
+    assert not list(out.glob("*.tmp"))
+    finish_and_check(run_cli, job, out, tiny, SHARD)
