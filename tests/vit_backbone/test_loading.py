@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from vit_backbone import ModelNotFoundError, UnsafeCheckpointError, UnsupportedModelError, load_backbone
-from vit_backbone.loading import resolve_checkpoint
+from vit_backbone.checkpoint import resolve_checkpoint
 
 
 def test_pickle_only_checkpoint_is_refused_unless_allowed(
