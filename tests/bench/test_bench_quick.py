@@ -31,6 +31,11 @@ BENCHES: dict[str, tuple[str, set[str], bool]] = {
         {"machine", "quick", "images", "forward_before", "forward_best", "catalog_runs", "forward_reference"},
         False,
     ),
+    "copy_detection": (
+        "copy_detection",
+        {"config", "quick", "variants", "gallery", "queries_per_transform", "pad_curve_mean8"},
+        False,
+    ),
     "search_bench": ("search", {"machine", "quick", "rows", "build_s", "exact", "ann"}, False),
     "heads_quality": ("heads", {"machine", "quick", "setup", "rows"}, True),
     "heads_precision": (

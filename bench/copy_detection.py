@@ -1,0 +1,301 @@
+"""Copy detection on harder copies, to choose the embedded default (issue 13).
+
+The set is frozen in ``bench/copy_set.json`` (seed, sizes, transform parameters): gallery = ``originals``
+photo tiles of varied aspect ratios plus ``distractors`` other tiles of the same photos (hard negatives);
+each original gets one query per transform: ``crop`` (60–90 % area), ``hflip``, ``bright`` (darker or
+brighter), ``aspect`` (each axis downscaled by its own factor), ``jpeg`` (quality 10–30), ``letterbox``
+(the image on a border, sometimes with a screenshot-style bar) and ``user`` (crop + maybe flip + brightness
++ per-axis rescale + JPEG 40–80, what a user's copy goes through). Relevant = the tile the query came from.
+
+Feature variants (one forward each, every candidate block from it, cached on disk under ``--cache``):
+``pad`` (letterbox masked: pooling weights, attention, positions), ``pad_unmasked`` (the same pixels with
+every patch treated as image: the old ``pad``, up to its half-patch centring), ``squash`` and ``crop``.
+Measuring (``measure``) is separate from writing the report (``write_report``).
+
+    python bench/copy_detection.py [--quick] [--variants pad,pad_unmasked,squash]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageEnhance, ImageOps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import cut_tiles, load_photos, photo_scale
+
+from vit_backbone import Backbone, load_backbone
+from vit_backbone.preprocess import stack, stack_valid
+from vit_backbone.retrieval import cosine_scores, per_query_metrics, relevance_ranking, summarize
+
+CONFIG = Path(__file__).resolve().parent / "copy_set.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+POOLINGS = ("mean", "gem", "cls", "cls_mean")
+BLOCKS = (5, 6, 7, 8, 9)  # 0-based; the forward stops at the deepest
+TOP_K = 10
+
+
+@dataclass
+class CopySet:
+    items: list[Image.Image | bytes]  # gallery first, then queries
+    labels: np.ndarray  # [G + Q]
+    transforms: np.ndarray  # [G + Q] str; "" for gallery rows
+    gallery: int
+
+
+def _jpeg(image: Image.Image, quality: int) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _crop(image: Image.Image, rng: np.random.Generator, area: Sequence[float]) -> Image.Image:
+    fraction = rng.uniform(area[0], area[1])
+    aspect = math.exp(rng.uniform(math.log(0.8), math.log(1.25)))
+    w = min(image.width, max(8, round(image.width * math.sqrt(fraction * aspect))))
+    h = min(image.height, max(8, round(image.height * math.sqrt(fraction / aspect))))
+    left, top = int(rng.integers(0, image.width - w + 1)), int(rng.integers(0, image.height - h + 1))
+    return image.crop((left, top, left + w, top + h))
+
+
+def _axis_scale(
+    image: Image.Image, rng: np.random.Generator, scale: Sequence[float], min_ratio: float
+) -> Image.Image:
+    while True:
+        sx, sy = rng.uniform(scale[0], scale[1]), rng.uniform(scale[0], scale[1])
+        if max(sx, sy) / min(sx, sy) >= min_ratio:
+            break
+    size = (max(8, round(image.width * sx)), max(8, round(image.height * sy)))
+    return image.resize(size, Image.Resampling.BILINEAR)
+
+
+def _letterbox(
+    image: Image.Image, rng: np.random.Generator, margin: Sequence[float], bar: float
+) -> Image.Image:
+    left, right, top, bottom = (
+        round(s * rng.uniform(margin[0], margin[1]))
+        for s in (image.width, image.width, image.height, image.height)
+    )
+    colour = tuple(
+        int(c)
+        for c in rng.choice([[0, 0, 0], [255, 255, 255], [128, 128, 128], list(rng.integers(0, 256, 3))])
+    )
+    canvas = Image.new("RGB", (image.width + left + right, image.height + top + bottom), colour)
+    canvas.paste(image, (left, top))
+    if rng.uniform() < bar:  # screenshot-style: a title bar of another colour across the top margin
+        ImageDraw.Draw(canvas).rectangle((0, 0, canvas.width, max(4, top // 2)), fill=(40, 40, 60))
+    return canvas
+
+
+def transform(
+    image: Image.Image, name: str, p: dict[str, Any], rng: np.random.Generator
+) -> Image.Image | bytes:
+    if name == "crop":
+        return _crop(image, rng, p["area"])
+    if name == "hflip":
+        return ImageOps.mirror(image)
+    if name == "bright":
+        low, high = p["factors"]
+        return ImageEnhance.Brightness(image).enhance(rng.uniform(*(low if rng.uniform() < 0.5 else high)))
+    if name == "aspect":
+        return _axis_scale(image, rng, p["scale"], p["min_ratio"])
+    if name == "jpeg":
+        return _jpeg(image, int(rng.integers(p["quality"][0], p["quality"][1] + 1)))
+    if name == "letterbox":
+        return _letterbox(image, rng, p["margin"], p["bar"])
+    if name == "user":
+        out = _crop(image, rng, p["area"])
+        if rng.uniform() < p["flip"]:
+            out = ImageOps.mirror(out)
+        out = ImageEnhance.Brightness(out).enhance(rng.uniform(*p["bright"]))
+        out = _axis_scale(out, rng, p["scale"], 1.0)
+        return _jpeg(out, int(rng.integers(p["quality"][0], p["quality"][1] + 1)))
+    raise ValueError(f"unknown transform {name!r}")
+
+
+def make_set(config: dict[str, Any], quick: bool) -> CopySet:
+    rng = np.random.default_rng(config["seed"])
+    photos = load_photos()
+    tiles = [
+        t.image
+        for name, a in photos.items()
+        for t in cut_tiles(name, a, photo_scale(a, config["tiles_per_photo"]))
+    ]
+    order = rng.permutation(len(tiles))
+    n_orig, n_dist = (24, 16) if quick else (config["originals"], config["distractors"])
+    if n_orig + n_dist > len(tiles):
+        raise ValueError(f"only {len(tiles)} tiles for {n_orig} originals + {n_dist} distractors")
+    originals = [tiles[i] for i in order[:n_orig]]
+    distractors = [tiles[i] for i in order[n_orig : n_orig + n_dist]]
+    items: list[Image.Image | bytes] = [*originals, *distractors]
+    labels = list(range(n_orig)) + [100_000 + k for k in range(n_dist)]
+    names = [""] * len(items)
+    for name, params in config["transforms"].items():
+        for index, image in enumerate(originals):
+            for _ in range(config["queries_per_original"]):
+                items.append(transform(image, name, params, rng))
+                labels.append(index)
+                names.append(name)
+    return CopySet(items, np.asarray(labels), np.asarray(names), n_orig + n_dist)
+
+
+def extract(
+    bb: Backbone, data: CopySet, variant: str, box: tuple[int, int], batch: int
+) -> dict[str, np.ndarray]:
+    """Every (pooling, block) feature of every item from one forward per image (stopping at max(BLOCKS))."""
+    policy = "pad" if variant.startswith("pad") else variant
+    out: dict[str, list[np.ndarray]] = {}
+    started = time.perf_counter()
+    for start in range(0, len(data.items), batch):
+        prepared = bb.prepare(data.items[start : start + batch], policy=policy, size=box, draft=False)  # type: ignore[arg-type]
+        pixels, _ = stack(prepared)  # [b, 3, H, W]
+        valid = stack_valid(prepared) if variant == "pad" else None  # [b, h, w]
+        tokens = bb.layer_features(pixels, list(BLOCKS), valid=valid)
+        for block in BLOCKS:
+            for pooling in POOLINGS:
+                pooled = _pool(tokens[block], pooling)
+                out.setdefault(f"{pooling}@{block}", []).append(pooled.float().numpy())
+        done = start + len(prepared)
+        if done % (batch * 25) == 0:
+            rate = done / (time.perf_counter() - started)
+            print(f"  {variant}: {done}/{len(data.items)} ({rate:.1f} img/s)", file=sys.stderr, flush=True)
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def _pool(tokens: Any, pooling: str) -> torch.Tensor:
+    from vit_backbone.pooling import pool_layer
+
+    return pool_layer(tokens, pooling)  # type: ignore[arg-type]
+
+
+def score(x: np.ndarray, data: CopySet) -> dict[str, Any]:
+    g = data.gallery
+    relevant = relevance_ranking(cosine_scores(x[g:], x[:g]), data.labels[g:], data.labels[:g])
+    per_query = per_query_metrics(relevant, TOP_K)
+    names = data.transforms[g:]
+    result: dict[str, Any] = {
+        k: v for k, v in summarize(per_query, TOP_K, g).to_dict().items() if k in ("r1", "map")
+    }
+    result["by_transform"] = {
+        t: {
+            k: v
+            for k, v in summarize(per_query, TOP_K, g, names == t).to_dict().items()
+            if k in ("r1", "map")
+        }
+        for t in dict.fromkeys(names.tolist())
+    }
+    return result
+
+
+def pair_curve(x: np.ndarray, data: CopySet) -> list[dict[str, float]]:
+    """Query–gallery pairs above a cosine threshold: precision and recall of 'is a copy' per threshold."""
+    g = data.gallery
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    sims = xn[g:] @ xn[:g].T  # [Q, G]
+    same = data.labels[g:, None] == data.labels[None, :g]  # [Q, G]
+    curve = []
+    for t in np.round(np.arange(0.50, 0.96, 0.025), 3):
+        above = sims >= t
+        tp = int((above & same).sum())
+        curve.append(
+            {
+                "threshold": float(t),
+                "precision": tp / max(1, int(above.sum())),
+                "recall": tp / int(same.sum()),
+            }
+        )
+    return curve
+
+
+def measure(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    bb = load_backbone("embedded")
+    data = make_set(config, args.quick)
+    box = tuple(config["box"])
+    print(f"copy set: {data.gallery} gallery, {len(data.items) - data.gallery} queries", file=sys.stderr)
+    results: dict[str, Any] = {"config": config, "quick": args.quick, "variants": {}, "gallery": data.gallery}
+    results["queries_per_transform"] = {t: int((data.transforms == t).sum()) for t in config["transforms"]}
+    for variant in args.variants.split(","):
+        cache = args.cache / f"{'quick-' if args.quick else ''}{variant}.npz"
+        if cache.is_file():
+            feats = dict(np.load(cache))
+        else:
+            t0 = time.perf_counter()
+            feats = extract(bb, data, variant, box, args.batch_size)
+            results.setdefault("extract_s", {})[variant] = round(time.perf_counter() - t0, 1)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(cache, **feats)  # type: ignore[arg-type]
+        results["variants"][variant] = {key: score(x, data) for key, x in feats.items()}
+        if variant == "pad":
+            results["pad_curve_mean8"] = pair_curve(feats["mean@8"], data)
+    return results
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "copy_detection.json").write_text(json.dumps(results, indent=1))
+    lines = [
+        "# Copy detection on harder copies (bench/copy_detection.py, set frozen in bench/copy_set.json)"
+        + (" — `--quick` smoke run, numbers mean nothing" if results["quick"] else ""),
+        "",
+    ]
+    lines.append(
+        f"Gallery {results['gallery']} (originals + distractor tiles); "
+        f"queries per transform: {results['queries_per_transform']}"
+    )
+    lines.append("")
+    lines.append("| variant | feature | R@1 | mAP | " + " | ".join(results["queries_per_transform"]) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(results["queries_per_transform"]))
+    for variant, by_key in results["variants"].items():
+        best = sorted(by_key.items(), key=lambda kv: (-kv[1]["r1"], -kv[1]["map"]))[:3]
+        shown = dict(best)
+        if "mean@8" in by_key:
+            shown.setdefault("mean@8", by_key["mean@8"])
+        for key, s in shown.items():
+            rows = " | ".join(f"{s['by_transform'][t]['r1']:.3f}" for t in results["queries_per_transform"])
+            lines.append(f"| {variant} | {key} | {s['r1']:.3f} | {s['map']:.3f} | {rows} |")
+    if "pad_curve_mean8" in results:
+        lines += ["", "Pairs query–gallery, pad mean@8: threshold → precision / recall", ""]
+        lines += [
+            f"- {c['threshold']:.3f}: {c['precision']:.3f} / {c['recall']:.3f}"
+            for c in results["pad_curve_mean8"]
+        ]
+    (out / "copy_detection.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a few dozen images: checks the bench runs")
+    parser.add_argument("--variants", help="default pad,pad_unmasked,squash (quick: pad)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "vitembed-copy-cache")
+    parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path)
+    args = parser.parse_args(argv)
+    args.variants = args.variants or ("pad" if args.quick else "pad,pad_unmasked,squash")
+    if args.quick and args.out_dir is not None:
+        args.cache = args.out_dir / "cache"  # a smoke run never reads features cached by another run
+    config = json.loads(CONFIG.read_text())
+    results = measure(args, config)
+    out = args.out_dir or (Path(tempfile.mkdtemp()) if args.quick else RESULTS)
+    write_report(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
