@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backbone import Backbone, BackboneInfo, EmbedDefaults, EmbedResult
+    from .backbone import Backbone
+    from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult
     from .errors import (
         ImageDecodeError,
         InvalidOptionError,
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Backbone": "backbone",
-    "BackboneInfo": "backbone",
-    "EmbedDefaults": "backbone",
-    "EmbedResult": "backbone",
+    "BackboneInfo": "backbone_facts",
+    "EmbedDefaults": "backbone_facts",
+    "EmbedResult": "backbone_facts",
     "load_backbone": "loading",
     "Features": "features",
     "LayerTokens": "features",

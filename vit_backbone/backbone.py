@@ -11,87 +11,36 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult, backbone_info
 from .checkpoint import ResolvedCheckpoint
 from .errors import InvalidOptionError, SizeError, UnsupportedModelError
 from .features import Features, LayerTokens
 from .model_config import ModelConfig
+from .pool_requests import pooled_many
 from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_dim
-from .pos_embed import PositionTableCache
-from .preprocess import Prepared, PreprocessConfig, Preprocessor, ResizePolicy, stack, stack_valid
+from .pos_embed import PositionTableCache, image_box, letterbox_positions
+from .preprocess import (
+    Prepared,
+    PreprocessConfig,
+    Preprocessor,
+    ResizePolicy,
+    check_policy,
+    stack,
+    stack_valid,
+)
+from .preprocess_config import nearest_multiples
 from .specs import InterpolationRule, ResampleMethod
+
+__all__ = ["Backbone", "BackboneInfo", "EmbedDefaults", "EmbedResult", "ImageInput", "LayersArg"]
 
 ImageInput = Image.Image | bytes
 LayersArg = int | Sequence[int] | None
-RESIZE_POLICIES: tuple[str, ...] = ("crop", "squash", "pad", "dynamic")
-
-
-@dataclass(frozen=True)
-class EmbedDefaults:
-    """What ``embed(images)`` does with no options; the embedded model's values are measured choices."""
-
-    pooling: Pooling = "cls"
-    layers: tuple[int, ...] | None = None
-    policy: ResizePolicy = "crop"
-
-
-@dataclass(frozen=True)
-class EmbedResult:
-    """Vectors plus everything needed to know what they mean and to reproduce them."""
-
-    vectors: np.ndarray  # [B, F] float32, or [B, h, w, F] for pooling="patch"
-    grids: list[tuple[int, int]]  # effective patch grid per input image
-    valid: list[np.ndarray]  # [h, w] float32 per image: image fraction of each patch (pad's letterbox: 0)
-    model: str
-    revision: str
-    preprocess_hash: str
-    pooling: str
-    layers: list[int] | None  # 0-based block indices; None = last block
-    policy: str
-    size: tuple[int, int] | None
-    normalized: bool
-    interpolation: str
-
-
-@dataclass(frozen=True)
-class BackboneInfo:
-    name: str
-    revision: str
-    source: str
-    family: str
-    model_class: str
-    dim: int
-    depth: int
-    heads: int
-    patch_size: tuple[int, int]
-    native_grid: tuple[int, int]
-    native_size: tuple[int, int]
-    processing_grid: tuple[
-        int, int
-    ]  # the grid of the checkpoint's own preprocessing (dynamic's default budget)
-    prefix_tokens: int
-    has_cls: bool
-    registers: int
-    pos_embed: str
-    interpolation: str  # the user-facing rule
-    resample: str  # what it resolves to for this family
-    final_norm: str
-    pooler: str
-    params: int
-    dtype: str
-    device: str
-    preprocess: dict[str, Any]
-    preprocess_hash: str
-    defaults: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _StopForward(Exception):
@@ -212,8 +161,8 @@ class Backbone:
             raise SizeError(
                 f"pixel size {height}x{width} is not a positive multiple of the patch {patch_h}x{patch_w}: "
                 f"the remainder would be dropped silently. Nearest multiples: "
-                f"{_nearest(height, patch_h)}x{_nearest(width, patch_w)}; resize with a policy "
-                f"(e.g. policy='dynamic') instead."
+                f"{nearest_multiples(height, patch_h)}x{nearest_multiples(width, patch_w)}; "
+                f"resize with a policy (e.g. policy='dynamic') instead."
             )
         return height // patch_h, width // patch_w
 
@@ -327,8 +276,6 @@ class Backbone:
         valid: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Several (pooling, layers) features from ONE forward pass (an embedding plus head inputs)."""
-        from .pool_requests import pooled_many
-
         return pooled_many(self, pixel_values, requests, valid=valid)
 
     def _split(
@@ -360,10 +307,7 @@ class Backbone:
         return [self.preprocessor(item, policy=chosen_policy, size=size, draft=draft) for item in items]
 
     def check_policy(self, policy: str | None) -> ResizePolicy:
-        chosen = policy or self.defaults.policy
-        if chosen not in RESIZE_POLICIES:
-            raise InvalidOptionError(f"unknown policy {chosen!r}; choose one of {', '.join(RESIZE_POLICIES)}")
-        return chosen  # type: ignore[return-value]
+        return check_policy(policy or self.defaults.policy)
 
     def pool(self, features: Features, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
         return pool(features, pooling, layers)
@@ -470,69 +414,7 @@ class Backbone:
 
     # ------------------------------------------------------------------ facts
     def info(self) -> BackboneInfo:
-        native = (self.native_grid[0] * self.patch_size[0], self.native_grid[1] * self.patch_size[1])
-        return BackboneInfo(
-            name=self.checkpoint.name,
-            revision=self.checkpoint.revision,
-            source=self.checkpoint.source,
-            family=self.spec.name,
-            model_class=self.spec.model_class,
-            dim=self.dim,
-            depth=self.depth,
-            heads=self.heads,
-            patch_size=self.patch_size,
-            native_grid=self.native_grid,
-            native_size=native,
-            processing_grid=self.processing_grid,
-            prefix_tokens=self.prefix_tokens,
-            has_cls=self.spec.has_cls,
-            registers=self.num_registers,
-            pos_embed=self.spec.pos_embed,
-            interpolation=self.info_interpolation,
-            resample=self.resample if self.spec.pos_embed == "learned" else "none",
-            final_norm=self.spec.final_norm,
-            pooler=self.spec.pooler,
-            params=sum(p.numel() for p in self.model.parameters()),
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            preprocess=self.preprocess_config.to_dict(),
-            preprocess_hash=self.preprocess_config.hash(),
-            defaults={
-                "pooling": self.defaults.pooling,
-                "layers": None if self.defaults.layers is None else list(self.defaults.layers),
-                "policy": self.defaults.policy,
-            },
-        )
-
-
-def image_box(covered: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(top, bottom, left, right) patch rows/cols of the image in an [h, w] bool mask; None = whole grid."""
-    rows = torch.nonzero(covered.any(dim=1)).flatten()  # [n_rows]
-    cols = torch.nonzero(covered.any(dim=0)).flatten()  # [n_cols]
-    if len(rows) == 0 or len(cols) == 0:
-        return None
-    box = (int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1)
-    return None if box == (0, covered.shape[0], 0, covered.shape[1]) else box
-
-
-def letterbox_positions(
-    positions: PositionTableCache,
-    table: torch.Tensor,
-    grid: tuple[int, int],
-    boxes: Sequence[tuple[int, int, int, int] | None],
-) -> torch.Tensor:
-    """[B, P + h*w, D] position tables: each image's patches get the table resampled to the image's own
-    sub-grid (as if it were the whole input); letterbox cells keep the full grid's (masked out anyway)."""
-    out = table.repeat(len(boxes), 1, 1)  # [B, P + h*w, D]
-    prefix = out.shape[1] - grid[0] * grid[1]
-    for b, box in enumerate(boxes):
-        if box is None:
-            continue
-        top, bottom, left, right = box
-        sub = positions.get((bottom - top, right - left), dtype=table.dtype, device=table.device)
-        cells = out[b, prefix:].view(grid[0], grid[1], -1)  # [h, w, D]
-        cells[top:bottom, left:right] = sub[0, prefix:].view(bottom - top, right - left, -1)
-    return out
+        return backbone_info(self)
 
 
 def _batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[list[int]]:
@@ -563,9 +445,3 @@ def _get_attr(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part)
     return root
-
-
-def _nearest(value: int, patch: int) -> str:
-    low = max(patch, value // patch * patch)
-    high = -(-value // patch) * patch
-    return str(low) if low == high else f"{low} or {high}"

@@ -30,6 +30,7 @@ from typing import Any
 
 from .architectures import Arch, count_params
 from .errors import SizeError
+from .preprocess_config import nearest_multiples
 from .specs import spec_named
 
 __all__ = [
@@ -93,12 +94,6 @@ class CostReport:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
-def _nearest_multiples(value: int, step: int) -> str:
-    below = value // step * step
-    above = below + step
-    return f"{below} or {above}" if below > 0 else f"{above}"
-
-
 def cost_report(arch: Arch, height: int, width: int, *, params: int | None = None) -> CostReport:
     """The cost of an H×W input. ``params`` replaces the analytic count (e.g. with the exact count of a real
     checkpoint from :func:`count_params_from_safetensors`).
@@ -112,7 +107,7 @@ def cost_report(arch: Arch, height: int, width: int, *, params: int | None = Non
         if value % step:
             raise SizeError(
                 f"{what} {value} is not a multiple of the patch size {step}; "
-                f"nearest multiples: {_nearest_multiples(value, step)}"
+                f"nearest multiples: {nearest_multiples(value, step)}"
             )
     grid = (height // arch.patch[0], width // arch.patch[1])
     tokens = grid[0] * grid[1]

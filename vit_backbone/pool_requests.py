@@ -8,21 +8,44 @@ the requested blocks (stopping at the deepest one unless a request needs the mod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .errors import InvalidOptionError
+from .features import Features, LayerTokens
 from .pooling import Pooling, check_pooling, pool, pool_layers
 
-if TYPE_CHECKING:
-    from .backbone import Backbone
+
+class TokenSource(Protocol):
+    """What pooling several requests needs of a backbone (``Backbone`` is one): no import of it, no cycle."""
+
+    depth: int
+
+    def resolve_layers(self, layers: int | Sequence[int] | None) -> list[int] | None: ...
+
+    def features(
+        self,
+        pixel_values: torch.Tensor,
+        *,
+        layers: int | Sequence[int] | None = ...,
+        valid: torch.Tensor | None = ...,
+    ) -> Features: ...
+
+    def layer_features(
+        self,
+        pixel_values: torch.Tensor,
+        layers: int | Sequence[int] | None,
+        *,
+        valid: torch.Tensor | None = ...,
+    ) -> dict[int, LayerTokens]: ...
+
 
 PoolRequest = tuple[Pooling, Sequence[int] | None]  # (pooling, 0-based blocks; None = last block)
 
 
 def pooled_many(
-    backbone: Backbone,
+    backbone: TokenSource,
     pixel_values: torch.Tensor,
     requests: Sequence[PoolRequest],
     *,

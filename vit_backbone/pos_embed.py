@@ -16,6 +16,7 @@ Resampling always runs in float32 (bicubic in half precision shifts the table), 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,3 +84,33 @@ class PositionTableCache:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+def image_box(covered: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(top, bottom, left, right) patch rows/cols of the image in an [h, w] bool mask; None = whole grid."""
+    rows = torch.nonzero(covered.any(dim=1)).flatten()  # [n_rows]
+    cols = torch.nonzero(covered.any(dim=0)).flatten()  # [n_cols]
+    if len(rows) == 0 or len(cols) == 0:
+        return None
+    box = (int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1)
+    return None if box == (0, covered.shape[0], 0, covered.shape[1]) else box
+
+
+def letterbox_positions(
+    positions: PositionTableCache,
+    table: torch.Tensor,
+    grid: tuple[int, int],
+    boxes: Sequence[tuple[int, int, int, int] | None],
+) -> torch.Tensor:
+    """[B, P + h*w, D] position tables: each image's patches get the table resampled to the image's own
+    sub-grid (as if it were the whole input); letterbox cells keep the full grid's (masked out anyway)."""
+    out = table.repeat(len(boxes), 1, 1)  # [B, P + h*w, D]
+    prefix = out.shape[1] - grid[0] * grid[1]
+    for b, box in enumerate(boxes):
+        if box is None:
+            continue
+        top, bottom, left, right = box
+        sub = positions.get((bottom - top, right - left), dtype=table.dtype, device=table.device)
+        cells = out[b, prefix:].view(grid[0], grid[1], -1)  # [h, w, D]
+        cells[top:bottom, left:right] = sub[0, prefix:].view(bottom - top, right - left, -1)
+    return out

@@ -22,7 +22,14 @@ from PIL import Image
 
 from vit_backbone.decode import DecodeLimits, decode, to_rgb
 from vit_backbone.errors import ImageDecodeError, InvalidOptionError, SizeError
-from vit_backbone.preprocess_config import _TORCH_MODES, MAX_SIDE, PreprocessConfig, ResizeMode, _check_hw
+from vit_backbone.preprocess_config import (
+    _TORCH_MODES,
+    MAX_SIDE,
+    PreprocessConfig,
+    ResizeMode,
+    _check_hw,
+    nearest_multiples,
+)
 
 __all__ = [
     "MAX_SIDE",
@@ -37,6 +44,14 @@ __all__ = [
 ]
 
 ResizePolicy = Literal["crop", "squash", "pad", "dynamic"]
+RESIZE_POLICIES: tuple[ResizePolicy, ...] = get_args(ResizePolicy)
+
+
+def check_policy(policy: str) -> ResizePolicy:
+    """``policy`` as a resize policy, or InvalidOptionError naming the choices."""
+    if policy not in RESIZE_POLICIES:
+        raise InvalidOptionError(f"unknown policy {policy!r}; choose one of {', '.join(RESIZE_POLICIES)}")
+    return policy
 
 
 @dataclass(frozen=True)
@@ -150,8 +165,7 @@ class Preprocessor:
         return None if plan.resize is None else (plan.resize[1], plan.resize[0])
 
     def _check_request(self, policy: str, size: tuple[int, int] | None) -> None:
-        if policy not in get_args(ResizePolicy):
-            raise InvalidOptionError(f"policy must be one of {get_args(ResizePolicy)}, got {policy!r}")
+        check_policy(policy)
         if size is not None:
             _check_hw("size", size, SizeError)
 
@@ -352,7 +366,7 @@ def _tv_center_crop(x: torch.Tensor, crop: tuple[int, int]) -> torch.Tensor:
 
 def _check_multiple(out: tuple[int, int], patch: tuple[int, int], what: str, given: bool, ptype: str) -> None:
     problems = [
-        f"{name} {v} (nearest multiples of {p}: {_nearest(v, p)})"
+        f"{name} {v} (nearest multiples of {p}: {nearest_multiples(v, p)})"
         for name, v, p in (("height", out[0], patch[0]), ("width", out[1], patch[1]))
         if v % p
     ]
@@ -363,8 +377,3 @@ def _check_multiple(out: tuple[int, int], patch: tuple[int, int], what: str, giv
             f'{"; ".join(problems)}. Pass size= with multiples of the patch, or use policy="dynamic", '
             "which snaps to the patch grid (remainder pixels are never cropped silently)."
         )
-
-
-def _nearest(value: int, patch: int) -> str:
-    low = value // patch * patch
-    return f"{low} or {low + patch}" if low else str(patch)

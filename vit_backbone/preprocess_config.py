@@ -234,3 +234,9 @@ def _size_dict(name: str, value: Any, *, square: bool) -> dict[str, int]:
 
 def _unsupported(name: str) -> str:
     return f"image processor {name!r} is not supported; supported: {', '.join(sorted(_PROCESSOR_DEFAULTS))}"
+
+
+def nearest_multiples(value: int, step: int) -> str:
+    """The multiples of ``step`` nearest to ``value`` (for messages): "224 or 240", or the smallest one."""
+    below = value // step * step
+    return f"{below} or {below + step}" if below > 0 else str(step)
