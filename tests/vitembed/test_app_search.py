@@ -608,3 +608,29 @@ async def test_cli_and_server_on_an_index_with_non_default_options(
         "model_precision": "float32",
         "index_precision": "float32",
     }
+
+
+async def test_threshold_answers_is_this_a_near_duplicate(
+    search_server: Server, photos: Photos, reference: Backbone, db: Path
+) -> None:
+    """threshold= keeps only hits scoring at least it; each query says whether one is left."""
+    data = [photos.data["p02"], photos.data["p04"]]
+    [first, second] = expected_hits(reference, db, data, 5)
+    cut = (first[1]["score"] + first[2]["score"]) / 2  # between the 2nd and 3rd hit of the first query
+    response = await search_server.client.post(
+        "/v1/search", files=[("image", d) for d in data], data={"k": "5", "threshold": str(cut)}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["threshold"] == pytest.approx(cut)
+    assert_same_hits(body["data"][0]["results"], first[:2])
+    assert body["data"][0]["near_duplicate"] is True
+    kept = [h for h in second if h["score"] >= cut]
+    assert_same_hits(body["data"][1]["results"], kept)
+    assert body["data"][1]["near_duplicate"] is bool(kept)
+    none = await search_server.client.post(
+        "/v1/search",
+        json={"vector": [1.0] + [0.0] * (len(reference.embed(data[:1])[0]) - 1), "threshold": 1.5},
+    )
+    assert none.status_code == 200, none.text
+    assert none.json()["data"][0] == {"index": 0, "results": [], "near_duplicate": False}

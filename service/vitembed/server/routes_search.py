@@ -67,7 +67,7 @@ from vitembed.settings_error import SettingsError
 log = logging.getLogger("vitembed.search")
 T = TypeVar("T")
 MAX_WHERE_CHARS = 1024
-SEARCH_FIELDS = ("index", "k", "where", "nprobes")
+SEARCH_FIELDS = ("index", "k", "where", "nprobes", "threshold")
 SEARCH_THREADS = 2  # LanceDB queries at once; more wait their turn (within the request deadline)
 
 
@@ -190,6 +190,13 @@ class SearchOptionsIn(BaseModel):
         le=MAX_NPROBES,
         description="IVF partitions an ANN search visits (default: 10% of them, at least 20)",
     )
+    threshold: float | None = Field(
+        None,
+        ge=-1e30,
+        le=1e30,
+        description="keep only hits scoring at least this (near-duplicate check: `vitembed dedup`'s "
+        "calibrated cosine); each query then says whether any hit is left (`near_duplicate`)",
+    )
 
 
 class SearchJsonRequest(SearchOptionsIn):
@@ -206,6 +213,7 @@ class HitOut(BaseModel):
 class QueryResultOut(BaseModel):
     index: int = Field(description="0-based position of the query")
     results: list[HitOut]
+    near_duplicate: bool | None = Field(None, description="with threshold: any hit scores at least it")
 
 
 class SearchProvenance(BaseModel):
@@ -232,6 +240,7 @@ class SearchProvenance(BaseModel):
 class SearchResponse(BaseModel):
     index: str
     k: int
+    threshold: float | None = None
     data: list[QueryResultOut]
     provenance: SearchProvenance
 
@@ -423,13 +432,20 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
 
     results, ann = await run_search_work(request, work, deadline)
     meta = index.meta
+    data: list[dict[str, Any]] = []
+    for position, hits in enumerate(results):
+        if options.threshold is not None:
+            kept = [hit for hit in hits if hit.score >= options.threshold]
+            data.append(
+                {"index": position, "results": [h.to_dict() for h in kept], "near_duplicate": bool(kept)}
+            )
+        else:
+            data.append({"index": position, "results": [hit.to_dict() for hit in hits]})
     payload = {
         "index": served.name,
         "k": options.k,
-        "data": [
-            {"index": position, "results": [hit.to_dict() for hit in hits]}
-            for position, hits in enumerate(results)
-        ],
+        **({"threshold": options.threshold} if options.threshold is not None else {}),
+        "data": data,
         "provenance": {
             "index": served.name,
             "model": served.model,
