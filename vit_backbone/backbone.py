@@ -18,12 +18,12 @@ import torch
 from PIL import Image
 
 from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult, backbone_info
-from .checkpoint import ResolvedCheckpoint
+from .checkpoint import CheckpointFacts, ResolvedCheckpoint
 from .errors import InvalidOptionError, SizeError, UnsupportedModelError
 from .features import Features, LayerTokens
 from .model_config import ModelConfig
 from .pool_requests import pooled_many
-from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_dim
+from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_array, pooled_dim
 from .pos_embed import PositionTableCache, image_box, letterbox_positions
 from .preprocess import (
     Prepared,
@@ -332,19 +332,17 @@ class Backbone:
                 f"pooling='patch' returns one grid per image, and these images have {len(grids)} different "
                 f"grids {sorted(grids)}: use a fixed-size policy (crop, squash, pad) or embed them separately"
             )
-        results: list[torch.Tensor | None] = [None] * len(prepared)
+        results: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prepared)
         for indices in _batches_by_grid(prepared, batch_size):
             batch = [prepared[i] for i in indices]
             pixel_values, _ = stack(batch)  # [b, 3, H, W]
             valid = stack_valid(batch)  # [b, h, w] or None
-            pooled = self.pooled(pixel_values, chosen_pooling, chosen_layers, valid=valid).float()
-            if normalize:
-                pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            for row, index in enumerate(indices):
-                results[index] = pooled[row]
+            pooled = self.pooled(pixel_values, chosen_pooling, chosen_layers, valid=valid)
+            for row, index in zip(pooled_array(pooled, normalize), indices, strict=True):  # [F] / [h, w, F]
+                results[index] = row
         if not results:
             return np.zeros((0, self.output_dim(chosen_pooling, chosen_layers)), dtype=np.float32)
-        return torch.stack([r for r in results if r is not None]).cpu().numpy()
+        return np.stack(results)
 
     def embed(
         self,
@@ -404,6 +402,10 @@ class Backbone:
             normalized=normalize,
             interpolation=self.info_interpolation,
         )
+
+    @property
+    def facts(self) -> CheckpointFacts:
+        return CheckpointFacts(self.checkpoint.revision, self.preprocess_config.hash())
 
     @property
     def info_interpolation(self) -> str:

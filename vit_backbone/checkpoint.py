@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .errors import ModelLoadError, ModelNotFoundError, UnsafeCheckpointError
 from .model_config import ModelConfig
@@ -162,15 +163,17 @@ def preprocess_config(folder: Path, config: ModelConfig) -> PreprocessConfig:
     return PreprocessConfig.from_processor_dict(processor or dict(config.spec.default_processor))
 
 
-@dataclass(frozen=True)
-class CheckpointFacts:
+class CheckpointFacts(NamedTuple):
     """What decides whether two vectors live in the same space: the weights and the pixels fed to them."""
 
     revision: str
     preprocess_hash: str
 
-    def describe(self) -> str:
-        return f"revision {self.revision}, preprocess_hash {self.preprocess_hash}"
+
+def models_matching(served: Mapping[str, CheckpointFacts], revision: str, preprocess_hash: str) -> list[str]:
+    """The served models (name -> facts) whose revision and preprocessing hash are the ones asked for:
+    those whose vectors a table, a head or a query can be compared with."""
+    return [model for model, facts in served.items() if facts == (revision, preprocess_hash)]
 
 
 def checkpoint_facts(target: str | Path, cache_dir: Path | None = None) -> CheckpointFacts:

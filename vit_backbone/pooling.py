@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 
 from .errors import InvalidOptionError
@@ -117,3 +118,12 @@ def pooled_dim(pooling: Pooling, dim: int, num_layers: int) -> int:
     if pooling == "linear_eval":
         return (num_layers + 1) * dim
     return per_layer * num_layers
+
+
+def pooled_array(pooled: torch.Tensor, normalize: bool) -> np.ndarray:
+    """Pooled features as the float32 numpy rows every caller returns: L2-normalised over the last axis
+    (per patch for ``patch``) when asked."""
+    pooled = pooled.float()  # [b, F] or [b, h, w, F]
+    if normalize:
+        pooled = torch.nn.functional.normalize(pooled, dim=-1)
+    return pooled.cpu().numpy()

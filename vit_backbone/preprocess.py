@@ -377,3 +377,17 @@ def _check_multiple(out: tuple[int, int], patch: tuple[int, int], what: str, giv
             f'{"; ".join(problems)}. Pass size= with multiples of the patch, or use policy="dynamic", '
             "which snaps to the patch grid (remainder pixels are never cropped silently)."
         )
+
+
+def check_token_budget(
+    grid: tuple[int, int], limit: int, what: str, advice: str = "ask for a smaller size"
+) -> int:
+    """The patch tokens of ``grid``, or SizeError when they pass ``limit`` (attention cost grows with
+    tokens²); ``what`` names where the grid came from, e.g. "size 224x224"."""
+    tokens = grid[0] * grid[1]
+    if tokens > limit:
+        raise SizeError(
+            f"{what} gives {tokens} patch tokens, over the server's limit of {limit} "
+            f"(attention cost grows with tokens²); {advice}"
+        )
+    return tokens

@@ -550,8 +550,9 @@ async def test_an_index_over_the_token_limit_stops_start_up(
         async with serve(indexes={"big": f"{tmp_path / 'db'}:t"}, max_tokens_per_image=64):
             pass
     assert str(caught.value) == (
-        "index 'big' was embedded at size 140x140 = 100 patch tokens, over the server's max_tokens_per_image "
-        "64: raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size"
+        "index 'big' was embedded at size 140x140, which gives 100 patch tokens, over the server's limit "
+        "of 64 (attention cost grows with tokens²); raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or "
+        "rebuild the index at a smaller size"
     )
 
 

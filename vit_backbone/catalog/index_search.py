@@ -384,14 +384,6 @@ def check_model(meta: CatalogMeta, revision: str, preprocess_hash: str, model: s
         )
 
 
-def checkpoint_fingerprint(target: str, cache_dir: Path | None = None) -> tuple[str, str]:
-    """(revision, preprocessing hash) of a model reference, read from its files without loading weights."""
-    from vit_backbone.checkpoint import checkpoint_facts
-
-    facts = checkpoint_facts(target, cache_dir)
-    return facts.revision, facts.preprocess_hash
-
-
 def load_query_backbone(
     meta: CatalogMeta, model: str | None = None, *, cache_dir: Path | None = None
 ) -> Backbone:
@@ -405,10 +397,12 @@ def load_query_backbone(
             f"the table was embedded with model {meta.model!r} (revision {meta.revision}), which cannot be "
             "loaded by that name: give its checkpoint folder or hub id with --model"
         )
-    revision, preprocess_hash = checkpoint_fingerprint(target, cache_dir)
+    from vit_backbone.checkpoint import checkpoint_facts
+
+    revision, preprocess_hash = checkpoint_facts(target, cache_dir)
     check_model(meta, revision, preprocess_hash, target)  # before paying for the weights
     backbone = load_backbone(target, cache_dir=cache_dir)
-    check_model(meta, backbone.checkpoint.revision, backbone.preprocess_config.hash(), target)
+    check_model(meta, *backbone.facts, target)
     apply_table_precision(backbone, meta)
     return backbone
 

@@ -20,16 +20,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
 from vit_backbone.cpu_quota import available_cpus
 from vit_backbone.decode import DecodeLimits
-from vit_backbone.errors import ModelNotFoundError, SizeError, VitEmbedError
-from vit_backbone.pooling import check_pooling
-from vit_backbone.precision import MIN_COSINE, choose_autocast, pick_device, to_device
-from vit_backbone.preprocess import Prepared, Preprocessor, stack, stack_valid
+from vit_backbone.errors import ModelNotFoundError, VitEmbedError
+from vit_backbone.pooling import check_pooling, pooled_array
+from vit_backbone.precision import (
+    MIN_COSINE,
+    PrecisionChoice,
+    choose_autocast,
+    pick_device,
+    probe_images,
+    to_device,
+)
+from vit_backbone.preprocess import Prepared, Preprocessor, check_token_budget, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad, Reservation
 from vitembed.engine.batcher import (
     CancelledWorkError,
@@ -122,22 +128,8 @@ class _Served:
     backbone: Backbone
     preprocessor: Preprocessor
     batcher: DynamicBatcher
-    precision: str
+    precision: PrecisionChoice
     load: ModelLoad
-
-
-def _warmup_images() -> list[Image.Image]:
-    """Deterministic, textured images of two aspect ratios (no data files needed)."""
-    rng = np.random.default_rng(0)
-    images = []
-    for height, width in ((480, 640), (600, 400), (512, 512), (300, 900)):
-        yy, xx = np.mgrid[0:height, 0:width]
-        base = np.stack(
-            [(xx * 255 // width), (yy * 255 // height), ((xx + yy) * 127 // (height + width))], -1
-        )
-        noise = rng.integers(0, 64, size=(height, width, 3))
-        images.append(Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)))
-    return images
 
 
 class Engine:
@@ -186,15 +178,15 @@ class Engine:
                 on_drop=self._record_drop,
             )
             self._served[name] = _Served(name, backbone, preprocessor, batcher, precision, load)
-            log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision)
+            log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision.describe())
         self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
         self._ready = True
 
-    def _choose_precision(self, name: str, backbone: Backbone) -> str:
+    def _choose_precision(self, name: str, backbone: Backbone) -> PrecisionChoice:
         """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the
         warm-up images with the model's default options; the choice is applied to the backbone."""
         try:
-            choice = choose_autocast(backbone, self.settings.precision, _warmup_images() * 2, batch_size=8)
+            choice = choose_autocast(backbone, self.settings.precision, probe_images() * 2, batch_size=8)
         except ValueError as exc:
             raise ValueError(f"model {name}: {exc}") from exc
         if self.settings.precision == "auto" and choice.dtype is None and choice.seconds is not None:
@@ -208,12 +200,12 @@ class Engine:
         elif choice.min_cosine is not None and choice.min_cosine < MIN_COSINE:
             log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
         backbone.autocast = choice.dtype
-        return choice.describe()
+        return choice
 
     def _seed_estimate(self, backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad) -> None:
         """Time one full batch at the default options, so that admission predicts waits from the first
         request on (later forward passes keep the estimate current)."""
-        prepared = preprocessor(_warmup_images()[0], policy=backbone.check_policy(None))
+        prepared = preprocessor(probe_images()[0], policy=backbone.check_policy(None))
         tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
         count = max(1, min(self.settings.max_batch_size, self.settings.max_batch_tokens // tokens))
         pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
@@ -240,11 +232,15 @@ class Engine:
     def model_names(self) -> list[str]:
         return list(self._served) or list(self.settings.models)
 
+    def precision(self, model: str) -> PrecisionChoice:
+        """What the served model's precision setting resolved to (``label`` is float32/bfloat16/float16)."""
+        return self._get(model).precision
+
     def model_infos(self) -> dict[str, dict[str, Any]]:
         """Each model's facts and precision, plus ``heads`` (name -> card) for a model that has heads."""
         infos: dict[str, dict[str, Any]] = {}
         for name, served in self._served.items():
-            infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision}
+            infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision.describe()}
             heads = {h.name: card_json(h.card) for h in self._heads.values() if h.model == name}
             if heads:
                 infos[name]["heads"] = heads
@@ -337,7 +333,7 @@ class Engine:
             policy=policy,
             normalized=options.normalize,
             interpolation=bb.info_interpolation,
-            precision=served.precision,
+            precision=served.precision.describe(),
             heads=heads,
             head_outputs=outputs,
             valid=[p.validity() for p in prepared],
@@ -366,7 +362,7 @@ class Engine:
             head=bound,
             outputs=[row[1][head] for row in rows],
             source_sizes=[p.source_size for p in prepared],
-            precision=served.precision,
+            precision=served.precision.describe(),
         )
 
     async def _run(
@@ -451,13 +447,8 @@ class Engine:
         decoding anything (the preprocessor's own check names the nearest valid sizes)."""
         served.preprocessor.target_size(policy, size, size)  # type: ignore[arg-type]
         (ph, pw) = served.backbone.patch_size
-        tokens = (size[0] // ph) * (size[1] // pw)
-        if tokens > self.settings.max_tokens_per_image:
-            raise SizeError(
-                f"size {size[0]}x{size[1]} gives {tokens} patch tokens, over the server's limit of "
-                f"{self.settings.max_tokens_per_image} (attention cost grows with tokens²); "
-                f"ask for a smaller size"
-            )
+        grid = (size[0] // ph, size[1] // pw)
+        check_token_budget(grid, self.settings.max_tokens_per_image, f"size {size[0]}x{size[1]}")
 
     async def _prepare_all(
         self,
@@ -496,13 +487,10 @@ class Engine:
             raise DeadlineExceededError(f"no result within {self._budget(ticket):g} s")
         started = time.perf_counter()
         prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
-        tokens = prepared.grid[0] * prepared.grid[1]
-        if tokens > self.settings.max_tokens_per_image:
-            raise SizeError(
-                f"this size gives a {prepared.grid[0]}x{prepared.grid[1]} grid = {tokens} tokens, over the "
-                f"server's limit of {self.settings.max_tokens_per_image} "
-                f"(attention cost grows with tokens²); ask for a smaller size"
-            )
+        grid = prepared.grid
+        check_token_budget(
+            grid, self.settings.max_tokens_per_image, f"this size ({grid[0]}x{grid[1]} patches)"
+        )
         self.metrics.stage_seconds.labels("decode").observe(prepared.decode_s)
         self.metrics.stage_seconds.labels("preprocess").observe(
             time.perf_counter() - started - prepared.decode_s
@@ -524,10 +512,7 @@ class Engine:
             pooled = features[0]
         else:
             pooled = backbone.pooled(pixel_values, check_pooling(pooling), chosen_layers, valid=valid)
-        pooled = pooled.float()
-        if normalize:
-            pooled = torch.nn.functional.normalize(pooled, dim=-1)
-        vectors = pooled.cpu().numpy()  # [b, F] or [b, h, w, F]
+        vectors = pooled_array(pooled, normalize)  # [b, F] or [b, h, w, F]
         if not heads:
             return list(vectors)
         return list(zip(vectors, head_outputs(heads, features, where), strict=True))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_matching
 from vit_backbone.errors import InvalidOptionError, ModelNotFoundError, VitEmbedError
 from vit_backbone.heads import Head, HeadCard, PatchHead, load_head, read_card
 from vit_backbone.heads.card import precision_label
@@ -50,7 +50,7 @@ class BoundHead:
 
 
 def _no_match(
-    name: str, path: str, card: HeadCard, served: Mapping[str, tuple[str, str]]
+    name: str, path: str, card: HeadCard, served: Mapping[str, CheckpointFacts]
 ) -> HeadStartupError:
     listed = "; ".join(f"{m}: revision {r}, preprocess_hash {h}" for m, (r, h) in served.items())
     return HeadStartupError(
@@ -59,24 +59,16 @@ def _no_match(
     )
 
 
-def _match(name: str, path: str, card: HeadCard, served: Mapping[str, tuple[str, str]]) -> str:
-    for model, facts in served.items():
-        if facts == (card.revision, card.preprocess_hash):
-            return model
-    raise _no_match(name, path, card, served)
-
-
-def model_facts(target: str, cache_dir: Path | None) -> tuple[str, str]:
-    """(revision, preprocess hash) of a model reference, read from its files without loading weights."""
-    from vit_backbone.checkpoint import checkpoint_facts
-
-    facts = checkpoint_facts(target, cache_dir)
-    return facts.revision, facts.preprocess_hash
+def _match(name: str, path: str, card: HeadCard, served: Mapping[str, CheckpointFacts]) -> str:
+    fits = models_matching(served, card.revision, card.preprocess_hash)
+    if not fits:
+        raise _no_match(name, path, card, served)
+    return fits[0]
 
 
 def preflight_heads(settings: ServiceSettings) -> None:
     """Before any weights load: every head's card is readable and fits a served model."""
-    served = {name: model_facts(target, settings.cache_dir) for name, target in settings.models.items()}
+    served = {name: checkpoint_facts(target, settings.cache_dir) for name, target in settings.models.items()}
     for name, path in settings.heads.items():
         _match(name, path, read_card(path), served)
 
@@ -84,7 +76,7 @@ def preflight_heads(settings: ServiceSettings) -> None:
 def bind_heads(heads: Mapping[str, str], backbones: Mapping[str, Backbone]) -> dict[str, BoundHead]:
     """Load each head, check it against its served model, and move its tensors to that model's device
     (heads are tiny: moving them once beats moving every batch's features to the CPU)."""
-    served = {m: (bb.checkpoint.revision, bb.preprocess_config.hash()) for m, bb in backbones.items()}
+    served = {m: bb.facts for m, bb in backbones.items()}
     bound: dict[str, BoundHead] = {}
     for name, path in heads.items():
         try:

@@ -34,10 +34,11 @@ from vit_backbone.catalog.index_search import (
     IndexChangedError,
     IndexDroppedError,
     SimilarityIndex,
-    checkpoint_fingerprint,
 )
 from vit_backbone.catalog.meta import CatalogMeta
-from vit_backbone.errors import VitEmbedError
+from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_matching
+from vit_backbone.errors import SizeError, VitEmbedError
+from vit_backbone.preprocess import check_token_budget
 from vitembed.engine.engine import DeadlineExceededError, EmbedOptions, Engine
 from vitembed.server.app import (
     ERROR_RESPONSES,
@@ -102,9 +103,9 @@ def _open(name: str, target: str) -> SimilarityIndex:
         raise SettingsError(f"--index {name}={target}: {exc}") from exc
 
 
-def match_model(name: str, meta: CatalogMeta, served: dict[str, tuple[str, str]]) -> str:
+def match_model(name: str, meta: CatalogMeta, served: dict[str, CheckpointFacts]) -> str:
     """The served model whose (revision, preprocess hash) equals the table's; its own name first."""
-    fits = [model for model, print_ in served.items() if print_ == (meta.revision, meta.preprocess_hash)]
+    fits = models_matching(served, meta.revision, meta.preprocess_hash)
     if not fits:
         have = "; ".join(
             f"{model} (revision {rev}, preprocess {pre})" for model, (rev, pre) in served.items()
@@ -120,10 +121,10 @@ def match_model(name: str, meta: CatalogMeta, served: dict[str, tuple[str, str]]
 def preflight_indexes(settings: ServiceSettings) -> None:
     """Before any weights load: every index opens and matches a served model (read from the checkpoints'
     files); raises SettingsError (exit status 2) otherwise."""
-    served: dict[str, tuple[str, str]] = {}
+    served: dict[str, CheckpointFacts] = {}
     for model, target in settings.models.items():
         try:
-            served[model] = checkpoint_fingerprint(target, settings.cache_dir)
+            served[model] = checkpoint_facts(target, settings.cache_dir)
         except VitEmbedError:
             continue  # the engine reports an unloadable model itself
     for name, target in settings.indexes.items():
@@ -136,7 +137,7 @@ def load_indexes(settings: ServiceSettings, engine: Engine) -> SearchState:
     precision than the served model's is logged (bfloat16 and float32 vectors stay within cosine 0.999, so
     it is served, but scores of an image's own row fall slightly below 1)."""
     infos = engine.model_infos()
-    served = {model: (str(i["revision"]), str(i["preprocess_hash"])) for model, i in infos.items()}
+    served = {model: engine.backbone(model).facts for model in infos}
     loaded: dict[str, ServedIndex] = {}
     for name, target in settings.indexes.items():
         index = _open(name, target)
@@ -144,16 +145,18 @@ def load_indexes(settings: ServiceSettings, engine: Engine) -> SearchState:
         model = match_model(name, meta, served)
         if meta.size is not None:
             patch_h, patch_w = infos[model]["patch_size"]
-            tokens = (meta.size[0] // patch_h) * (meta.size[1] // patch_w)
-            if tokens > settings.max_tokens_per_image:
-                raise SettingsError(
-                    f"index {name!r} was embedded at size {meta.size[0]}x{meta.size[1]} = {tokens} patch "
-                    f"tokens, over the server's max_tokens_per_image {settings.max_tokens_per_image}: raise "
-                    "the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size"
+            try:
+                check_token_budget(
+                    (meta.size[0] // patch_h, meta.size[1] // patch_w),
+                    settings.max_tokens_per_image,
+                    f"index {name!r} was embedded at size {meta.size[0]}x{meta.size[1]}, which",
+                    "raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size",
                 )
-        described = infos[model].get("precision")  # e.g. "bfloat16 autocast (min cosine ...)"
-        precision = None if described is None else str(described).split(" ", 1)[0]
-        if meta.precision is not None and precision is not None and meta.precision != precision:
+            except SizeError as exc:
+                raise SettingsError(str(exc)) from exc
+        choice = engine.precision(model)
+        precision, described = choice.label, choice.describe()
+        if meta.precision is not None and meta.precision != precision:
             log.warning(
                 "index %s holds vectors made in %s but model %s runs in %s: its queries are embedded in %s "
                 "(scores of identical images may fall slightly below 1)",
