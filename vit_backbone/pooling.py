@@ -127,3 +127,8 @@ def pooled_array(pooled: torch.Tensor, normalize: bool) -> np.ndarray:
     if normalize:
         pooled = torch.nn.functional.normalize(pooled, dim=-1)
     return pooled.cpu().numpy()
+
+
+def nonfinite_rows(rows: np.ndarray) -> np.ndarray:
+    """Indices of the rows (first axis) holding NaN or infinity anywhere: [k] int, empty when all finite."""
+    return np.flatnonzero(~np.isfinite(rows).reshape(len(rows), -1).all(axis=1))

@@ -32,6 +32,7 @@ from vit_backbone.catalog.item_images import IMAGES_META_KEY, catalog_image_sour
 from vit_backbone.catalog.meta import META_KEY, CatalogMeta
 from vit_backbone.catalog.shard_stream import iter_shards, plan_catalog
 from vit_backbone.errors import InvalidOptionError, MissingExtraError, VitEmbedError
+from vit_backbone.pooling import nonfinite_rows
 
 Metric = Literal["cosine", "dot"]
 METRICS: tuple[str, ...] = ("cosine", "dot")
@@ -196,8 +197,9 @@ def arrow_rows(
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # [N, D]
     if vectors.ndim != 2 or vectors.shape != (len(ids), meta.dim):
         raise IndexStoreError(f"expected vectors [{len(ids)}, {meta.dim}], got {list(vectors.shape)}")
-    if not np.isfinite(vectors).all():
-        bad = [ids[i] for i in np.flatnonzero(~np.isfinite(vectors).all(axis=1))[:5]]
+    nonfinite = nonfinite_rows(vectors)
+    if len(nonfinite):
+        bad = [ids[i] for i in nonfinite[:5]]
         raise IndexStoreError(f"non-finite vectors for ids {bad}: re-embed them")
     if len(set(ids)) != len(ids):
         raise IndexStoreError("the rows hold duplicate ids; an id must name one item")

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from vit_backbone.pooling import nonfinite_rows
 from vitembed.engine.engine import EmbedOutcome
 from vitembed.engine.served_heads import heads_json, heads_provenance, non_finite_head
 from vitembed.server.errors import ApiError
@@ -39,13 +40,13 @@ async def timed(metrics: Metrics, work: Callable[[], T], *, values: int) -> T:
 
 
 def check_finite(vectors: np.ndarray) -> None:
-    finite = np.isfinite(vectors).reshape(len(vectors), -1).all(axis=1)  # [n]
-    if not finite.all():
+    bad = nonfinite_rows(vectors)
+    if len(bad):
         raise ApiError(
             500,
             "non_finite",
             "the model produced non-finite values (NaN or infinity) for this image",
-            index=int(np.argmin(finite)),
+            index=int(bad[0]),
         )
 
 
@@ -53,13 +54,13 @@ def cast(vectors: np.ndarray, dtype: str) -> np.ndarray:
     """float32 [n, ...] → the requested little-endian dtype, refusing float16 overflow."""
     out = np.ascontiguousarray(vectors, dtype=_LITTLE_ENDIAN[dtype])
     if dtype == "float16":
-        finite = np.isfinite(out).reshape(len(out), -1).all(axis=1)
-        if not finite.all():
+        bad = nonfinite_rows(out)
+        if len(bad):
             raise ApiError(
                 422,
                 "dtype_overflow",
                 "the embedding has values beyond the float16 range (±65504); ask for dtype=float32",
-                index=int(np.argmin(finite)),
+                index=int(bad[0]),
             )
     return out
 
