@@ -141,6 +141,11 @@ class Backbone:
             raise InvalidOptionError(f"layers {chosen} name the same block twice")
         return resolved
 
+    def choose(self, pooling: str | None, layers: LayersArg) -> tuple[Pooling, list[int] | None]:
+        """The pooling and blocks a call uses: what it asks for, else this backbone's defaults; validated."""
+        chosen = layers if layers is not None else self.defaults.layers
+        return check_pooling(pooling or self.defaults.pooling), self.resolve_layers(chosen)
+
     # ------------------------------------------------------------------ forward
     @property
     def device(self) -> torch.device:
@@ -322,8 +327,7 @@ class Backbone:
         batch_size: int = 8,
     ) -> np.ndarray:
         """Embed already-preprocessed images; items with different grids run in separate forwards."""
-        chosen_pooling = check_pooling(pooling or self.defaults.pooling)
-        chosen_layers = self.resolve_layers(layers if layers is not None else self.defaults.layers)
+        chosen_pooling, chosen_layers = self.choose(pooling, layers)
         if batch_size < 1:
             raise InvalidOptionError("batch_size must be at least 1")
         grids = {p.grid for p in prepared}
@@ -382,8 +386,7 @@ class Backbone:
     ) -> EmbedResult:
         """``embed`` with the effective grid of every image and the provenance of the vectors."""
         chosen_policy = self.check_policy(policy)
-        chosen_pooling = check_pooling(pooling or self.defaults.pooling)
-        chosen_layers = self.resolve_layers(layers if layers is not None else self.defaults.layers)
+        chosen_pooling, chosen_layers = self.choose(pooling, layers)
         prepared = self.prepare(images, size=size, policy=chosen_policy, draft=draft)
         vectors = self.embed_prepared(
             prepared, pooling=chosen_pooling, layers=chosen_layers, normalize=normalize, batch_size=batch_size

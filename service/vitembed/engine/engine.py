@@ -211,8 +211,7 @@ class Engine:
         pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
         valid = stack_valid([prepared] * count)  # [count, h, w] or None
         pixel_values = to_device(pixel_values, backbone.device)
-        pooling = check_pooling(backbone.defaults.pooling)
-        layers = backbone.resolve_layers(backbone.defaults.layers)
+        pooling, layers = backbone.choose(None, None)
         started = time.perf_counter()
         backbone.pooled(pixel_values, pooling, layers, valid=valid)
         load.observe(tokens, count, time.perf_counter() - started)
@@ -289,8 +288,7 @@ class Engine:
     def output_dim(self, model: str, options: EmbedOptions) -> int:
         served = self._get(model)
         bb = served.backbone
-        pooling = check_pooling(options.pooling or bb.defaults.pooling)
-        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        pooling, layers = bb.choose(options.pooling, options.layers)
         return bb.output_dim(pooling, layers)
 
     # ----------------------------------------------------------------- the request path
@@ -306,8 +304,7 @@ class Engine:
         served = self._get(model)
         bb = served.backbone
         # validate every option before spending any work on the images
-        pooling = check_pooling(options.pooling or bb.defaults.pooling)
-        layers = bb.resolve_layers(options.layers if options.layers is not None else bb.defaults.layers)
+        pooling, layers = bb.choose(options.pooling, options.layers)
         policy = bb.check_policy(options.policy)
         heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
         if options.size is not None:
