@@ -254,7 +254,7 @@ async def test_error_bodies(search_server: Server, err: Any, images: Images, pho
             422,
             {
                 "code": "invalid_request",
-                "message": "unknown form field 'model'; options: index, k, where, nprobes",
+                "message": "unknown form field 'model'; options: index, k, where, nprobes, threshold",
             },
         ),
         (
