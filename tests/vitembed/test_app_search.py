@@ -481,37 +481,52 @@ async def test_data_uri_base64_and_nprobes(
 async def test_a_table_rebuilt_or_dropped_under_the_server(
     serve: OpenServer, indexed: Indexed, err: Any, tmp_path: Path
 ) -> None:
-    build_index(indexed.catalog, tmp_path / "db", "t")
+    """Rebuilt with other options by a served model: the new version is served at once (hot swap, no
+    restart). Rebuilt by a model that is not served: 409. Dropped: 503, until it is built again."""
+    db = tmp_path / "db"
+    build_index(indexed.catalog, db, "t")
     catalog = read_catalog(indexed.catalog)
-    async with serve(indexes={"live": f"{tmp_path / 'db'}:t"}) as server:
+    async with serve(indexes={"live": f"{db}:t"}) as server:
         query = {"json": {"vector": catalog.embeddings[0].tolist(), "k": 1}}
-        assert (await server.client.post("/v1/search", **query)).json()["data"][0]["results"][0][
-            "id"
-        ] == "p00"
+
+        async def top(body: dict[str, Any]) -> str:
+            response = await server.client.post("/v1/search", **body)
+            assert response.status_code == 200, response.text
+            return str(response.json()["data"][0]["results"][0]["id"])
+
+        assert await top(query) == "p00"
         other = replace(catalog.meta, pooling="mean", dim=16)
-        create_table(tmp_path / "db", "t", ["a"], np.ones((1, 16), np.float32), other, overwrite=True)
+        create_table(db, "t", ["a", "b"], np.eye(2, 16, dtype=np.float32), other, overwrite=True)
+        assert await top({"json": {"vector": [0.0, 1.0] + [0.0] * 14, "k": 1}}) == "b"
+        (card,) = (await server.client.get("/v1/indexes")).json()["data"]
+        assert (card["rows"], card["meta"]["pooling"], card["meta"]["dim"]) == (2, "mean", 16)
+
+        foreign = replace(other, revision="not-served")
+        create_table(db, "t", ["z"], np.ones((1, 16), np.float32), foreign, overwrite=True)
         for response in (
-            await server.client.post("/v1/search", **query),
+            await server.client.post("/v1/search", json={"vector": [1.0] * 16, "k": 1}),
             await server.client.get("/v1/indexes"),
         ):
             assert response.status_code == 409
             assert err(response) == {
                 "code": "index_changed",
-                "message": "index 'live' was rebuilt with other options; restart the server (table 't' in "
-                f"{tmp_path / 'db'} was rebuilt with other options since it was opened (pooling: 'cls' -> "
-                "'mean'; dim: 32 -> 16); reopen it)",
+                "message": "index 'live' was rebuilt in a way the served models cannot query; rebuild it "
+                f"with a served model, or serve its model (table 't' in {db} was rebuilt with other options "
+                f"since it was opened (revision: {catalog.meta.revision!r} -> 'not-served'); reopen it)",
             }
-        connect(tmp_path / "db").drop_table("t")
-        response = await server.client.post("/v1/search", **query)
+        connect(db).drop_table("t")
+        response = await server.client.post("/v1/search", json={"vector": [1.0] * 16, "k": 1})
         assert (response.status_code, err(response)) == (
             503,
             {
                 "code": "index_dropped",
-                "message": f"index 'live' ({tmp_path / 'db'}:t) was dropped or moved; restart the server "
-                "with a valid --index",
+                "message": f"index 'live' ({db}:t) was dropped or moved; it is served again once the "
+                "table is rebuilt there",
             },
         )
         assert (await server.client.get("/ready")).status_code == 200
+        build_index(indexed.catalog, db, "t")  # back, as the index Job leaves it
+        assert await top(query) == "p00"
 
 
 async def test_search_past_the_deadline_is_504(serve: OpenServer, db: Path, err: Any) -> None:

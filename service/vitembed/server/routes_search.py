@@ -4,8 +4,10 @@ through the engine (the same dynamic batcher as ``/v1/embed``) with the table's 
 search on a small thread pool of its own (``SEARCH_THREADS``: a burst of searches cannot take every thread
 the server has), within the request's deadline (504 past it).
 
-A table changed under the running server is never searched with stale options: overwritten with other
-options it answers 409 ``index_changed``, dropped 503 ``index_dropped``; both say to restart the server.
+A table changed under the running server is never searched with stale options: a rebuilt table is reopened
+and bound again before the next request uses it (``SearchState.current``: hot swap, no restart), with the new
+table's embedding options; one that no served model can query answers 409 ``index_changed``, a dropped one
+503 ``index_dropped``, until a servable table is back.
 
 An index is served only with a model that can embed its queries: at start-up every ``--index`` is matched
 to a served model by revision and preprocessing hash (the table's ``model`` name breaks ties), and a table
@@ -15,7 +17,9 @@ that no served model matches stops start-up with what is served and what the tab
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +93,35 @@ class SearchState:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(SEARCH_THREADS, thread_name_prefix="search")
     )
+    rebind: Callable[[str], ServedIndex] | None = None  # reopens and binds one index again (hot swap)
+    _swap_lock: threading.Lock = field(default_factory=threading.Lock)
+    _unservable: dict[str, str] = field(default_factory=dict)  # the last reason logged, per index
+
+    def current(self, name: str) -> ServedIndex:
+        """The served index ``name``, reopened and bound again if its table was rebuilt or recreated since
+        it was opened; unchanged (the search then answers 409/503) while the table cannot be served. One
+        schema read when nothing changed; blocking I/O (call it on the search pool)."""
+        served = self.indexes[name]
+        try:
+            served.index.check_current()
+            return served
+        except (IndexChangedError, IndexDroppedError):
+            if self.rebind is None:
+                return served
+        with self._swap_lock:
+            if self.indexes[name] is not served:  # another request swapped it meanwhile
+                return self.indexes[name]
+            try:
+                fresh = self.rebind(name)
+            except (VitEmbedError, ValueError, OSError, RuntimeError) as exc:
+                if self._unservable.get(name) != str(exc):
+                    self._unservable[name] = str(exc)
+                    log.warning("index %s changed and cannot be served as it is now: %s", name, exc)
+                return served
+            self.indexes[name] = fresh
+            self._unservable.pop(name, None)
+        log.info("index %s: its table was rebuilt; serving the new version (model %s)", name, fresh.model)
+        return fresh
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -135,42 +168,45 @@ def load_indexes(settings: ServiceSettings, engine: Engine) -> SearchState:
     """Open every configured index and bind it to the loaded model that embeds its queries; an index whose
     size would exceed the server's token limit stops start-up, and one whose vectors were made in another
     precision than the served model's is logged (bfloat16 and float32 vectors stay within cosine 0.999, so
-    it is served, but scores of an image's own row fall slightly below 1)."""
+    it is served, but scores of an image's own row fall slightly below 1). The state binds an index again
+    the same way when its table is rebuilt (hot swap)."""
+    loaded = {name: _bind(settings, engine, name, target) for name, target in settings.indexes.items()}
+    return SearchState(loaded, rebind=lambda name: _bind(settings, engine, name, settings.indexes[name]))
+
+
+def _bind(settings: ServiceSettings, engine: Engine, name: str, target: str) -> ServedIndex:
     infos = engine.model_infos()
     served = {model: engine.backbone(model).facts for model in infos}
-    loaded: dict[str, ServedIndex] = {}
-    for name, target in settings.indexes.items():
-        index = _open(name, target)
-        meta = index.meta
-        model = match_model(name, meta, served)
-        if meta.size is not None:
-            patch_h, patch_w = infos[model]["patch_size"]
-            try:
-                check_token_budget(
-                    (meta.size[0] // patch_h, meta.size[1] // patch_w),
-                    settings.max_tokens_per_image,
-                    f"index {name!r} was embedded at size {meta.size[0]}x{meta.size[1]}, which",
-                    "raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size",
-                )
-            except SizeError as exc:
-                raise SettingsError(str(exc)) from exc
-        choice = engine.precision(model)
-        precision, described = choice.label, choice.describe()
-        if meta.precision is not None and meta.precision != precision:
-            log.warning(
-                "index %s holds vectors made in %s but model %s runs in %s: its queries are embedded in %s "
-                "(scores of identical images may fall slightly below 1)",
-                name, meta.precision, model, described, precision,
-            )  # fmt: skip
-        options = EmbedOptions(
-            pooling=meta.pooling,
-            layers=None if meta.layers is None else tuple(meta.layers),
-            size=None if meta.size is None else (meta.size[0], meta.size[1]),
-            policy=meta.policy,
-            normalize=meta.normalized,
-        )
-        loaded[name] = ServedIndex(name, index, model, options, precision)
-    return SearchState(loaded)
+    index = _open(name, target)
+    meta = index.meta
+    model = match_model(name, meta, served)
+    if meta.size is not None:
+        patch_h, patch_w = infos[model]["patch_size"]
+        try:
+            check_token_budget(
+                (meta.size[0] // patch_h, meta.size[1] // patch_w),
+                settings.max_tokens_per_image,
+                f"index {name!r} was embedded at size {meta.size[0]}x{meta.size[1]}, which",
+                "raise the limit (VITEMBED_MAX_TOKENS_PER_IMAGE) or rebuild the index at a smaller size",
+            )
+        except SizeError as exc:
+            raise SettingsError(str(exc)) from exc
+    choice = engine.precision(model)
+    precision, described = choice.label, choice.describe()
+    if meta.precision is not None and meta.precision != precision:
+        log.warning(
+            "index %s holds vectors made in %s but model %s runs in %s: its queries are embedded in %s "
+            "(scores of identical images may fall slightly below 1)",
+            name, meta.precision, model, described, precision,
+        )  # fmt: skip
+    options = EmbedOptions(
+        pooling=meta.pooling,
+        layers=None if meta.layers is None else tuple(meta.layers),
+        size=None if meta.size is None else (meta.size[0], meta.size[1]),
+        policy=meta.policy,
+        normalize=meta.normalized,
+    )
+    return ServedIndex(name, index, model, options, precision)
 
 
 # ------------------------------------------------------------------------------------------- schemas
@@ -319,14 +355,15 @@ def table_errors(served: ServedIndex) -> Iterator[None]:
         raise ApiError(
             409,
             "index_changed",
-            f"index {served.name!r} was rebuilt with other options; restart the server ({exc})",
+            f"index {served.name!r} was rebuilt in a way the served models cannot query; rebuild it with a "
+            f"served model, or serve its model ({exc})",
         ) from exc
     except IndexDroppedError as exc:
         raise ApiError(
             503,
             "index_dropped",
-            f"index {served.name!r} ({served.index.db}:{served.index.name}) was dropped or moved; restart "
-            "the server with a valid --index",
+            f"index {served.name!r} ({served.index.db}:{served.index.name}) was dropped or moved; it is "
+            "served again once the table is rebuilt there",
         ) from exc
 
 
@@ -419,21 +456,32 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
         images, vector, options = await _parse(len(body), _parse_json, body, settings.max_images_per_request)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
-    served = pick_index(served_indexes(request), options.index)
-    precision: str | None = None
-    if vector is not None:
-        queries: list[Any] = [vector]
-    else:
-        outcome = await run_engine(request, engine, served.model, images, served.options, deadline)
-        queries, precision = list(outcome.vectors), outcome.precision  # [Q] x [D]
-    index = served.index
+    name = pick_index(served_indexes(request), options.index).name
+    state = search_state(request)
+    for last_try in (False, True):  # a table rebuilt between the check and the query: once more, on the new
+        # version, embedding the query images again (the new table may have other options)
+        served = await run_search_work(request, functools.partial(state.current, name), deadline)
+        precision: str | None = None
+        if vector is not None:
+            queries: list[Any] = [vector]
+        else:
+            outcome = await run_engine(request, engine, served.model, images, served.options, deadline)
+            queries, precision = list(outcome.vectors), outcome.precision  # [Q] x [D]
+        index = served.index
 
-    def work() -> tuple[list[list[Hit]], bool]:
-        with table_errors(served):
+        def work(
+            index: SimilarityIndex = index, queries: list[Any] = queries
+        ) -> tuple[list[list[Hit]], bool]:
             results = index.search_many(queries, options.k, options.where, nprobes=options.nprobes)
             return results, index.has_ann()
 
-    results, ann = await run_search_work(request, work, deadline)
+        try:
+            results, ann = await run_search_work(request, work, deadline)
+            break
+        except (IndexChangedError, IndexDroppedError):
+            if last_try:
+                with table_errors(served):
+                    raise
     meta = index.meta
     data: list[dict[str, Any]] = []
     for position, hits in enumerate(results):
@@ -475,7 +523,9 @@ async def indexes(request: Request) -> dict[str, Any]:
 
     def cards() -> list[dict[str, Any]]:
         out = []
-        for name, served in served_indexes(request).items():
+        state = search_state(request)
+        for name in list(state.indexes):
+            served = state.current(name)  # a rebuilt table: its new version
             with table_errors(served):
                 facts = served.index.describe()
             out.append(
