@@ -36,6 +36,8 @@ from vit_backbone.costs import CostReport, cost_report, cost_reports, format_cos
 from vit_backbone.errors import ModelNotFoundError, VitEmbedError
 from vit_backbone.preprocess_config import PreprocessConfig
 from vit_backbone.safetensors_io import count_params_from_safetensors
+from vitembed.cli.dedup import HELP as DEDUP_HELP
+from vitembed.cli.dedup import configure_dedup, run_dedup
 from vitembed.cli.embed_catalog import configure_embed_catalog, run_embed_catalog
 from vitembed.cli.heads import configure_heads, run_heads
 from vitembed.cli.index import (
@@ -278,6 +280,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         configure=configure_index,
         run=run_index,
     ),
+    "dedup": Subcommand(help=DEDUP_HELP, configure=configure_dedup, run=run_dedup),
     "search": Subcommand(
         help="top-k similar items of an index for query images or a vector",
         configure=configure_search,
