@@ -20,7 +20,6 @@ pixels. Writes ``bench/results/quality.md`` and ``quality.json`` (``--quick``: a
 from __future__ import annotations
 
 import argparse
-import gzip
 import io
 import json
 import math
@@ -43,6 +42,7 @@ import torch
 from PIL import Image, ImageEnhance, ImageOps
 
 from vit_backbone import Backbone, load_backbone
+from vit_backbone.catalog.eval_retrieval import read_idx
 from vit_backbone.features import Features
 from vit_backbone.preprocess import Prepared, ResizePolicy, stack
 from vit_backbone.retrieval import (
@@ -80,20 +80,6 @@ Key = tuple[str, tuple[int, ...]]  # (pooling, 0-based blocks)
 
 
 # ---------------------------------------------------------------------------------------------- data
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """An idx-format file (gzip): 2 zero bytes, dtype code, ndim, ndim big-endian uint32 sizes, data."""
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    if raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte idx file (header {raw[:4].hex()})")
-    ndim = raw[3]
-    dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != math.prod(dims):
-        raise ValueError(f"{path}: header says {dims} but holds {data.size} values")
-    return data.reshape(dims)
 
 
 @dataclass
