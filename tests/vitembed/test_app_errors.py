@@ -400,7 +400,7 @@ async def test_unexpected_exception_is_a_generic_logged_500(
     def explode(*args: object, **kwargs: object) -> bytes:
         raise RuntimeError("secret internal detail")
 
-    from vitembed.server import app as app_module
+    from vitembed.server import routes_embed as app_module
 
     monkeypatch.setattr(app_module, "embed_json", explode)
     with caplog.at_level(logging.ERROR, logger="vitembed.service"):

@@ -9,7 +9,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from vitembed.server import routes_heads, routes_search  # noqa: F401  (every error class the routes raise)
+from vitembed.server import app  # noqa: F401  (every router: every error class the routes raise)
 from vitembed.server.errors import _HTTP_CODES, CLIENT_CLOSED, DECODE_STATUS, ERROR_CODES, status_for
 
 from vit_backbone.errors import VitEmbedError

@@ -130,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SettingsError(_first_error(exc)) from exc
     _preflight_models(settings)  # before loading any weights: an unusable config.json stops start-up
     if settings.indexes:  # before loading any weights: a table no served model can query stops start-up
-        from vitembed.server.routes_search import preflight_indexes
+        from vitembed.engine.served_indexes import preflight_indexes
 
         preflight_indexes(settings)
     if settings.heads:  # before loading any weights: a head that fits no served model stops start-up

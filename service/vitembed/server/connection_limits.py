@@ -6,6 +6,8 @@
 - ``BodyTimeoutMiddleware``: a request body must arrive whole within ``body_timeout_s`` of the request's
   start; a body trickling in past that is answered 408 ``body_timeout`` and the connection is closed.
   Waiting is asynchronous, so a slow upload never blocks other requests.
+- ``BodyLimitMiddleware``: a body over ``max_body_bytes`` is answered 413 ``body_too_large``: a declared
+  ``Content-Length`` before a byte is read, a chunked body as the counting ``receive`` passes the limit.
 - ``header_timeout_protocol``: uvicorn's httptools protocol, plus a deadline for the request head: a
   connection that sends no complete request head within ``header_timeout_s`` of opening (or of starting a
   request) is closed (408 if it had begun one). Idle keep-alive connections are closed by uvicorn's own
@@ -197,3 +199,49 @@ def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -
             self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_body_bytes`` before the framework reads them: a declared Content-Length
+    is judged before a byte is read, and a counting ``receive`` stops chunked bodies as they pass it."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413, "body_too_large", f"the request body is over the limit of {self.max_body_bytes} bytes"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            error = self._too_large()
+            await error_response(scope, error.status, error.code, error.message)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large()  # answered by the ApiError handler
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server rejects a malformed length; the counting receive still applies
+    return None

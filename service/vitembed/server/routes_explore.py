@@ -37,32 +37,32 @@ from vit_backbone.costs import cost_report
 from vit_backbone.errors import ImageDecodeError
 from vit_backbone.patch_maps import model_view, patch_pca, patch_similarity
 from vitembed.engine.engine import EmbedOptions, Engine, ItemError, RequestTicket
-from vitembed.server.app import (
-    ERROR_RESPONSES,
-    EngineDep,
-    SettingsDep,
-    _offload,
-    race_client,
-    read_body,
-    run_engine,
-    unsupported_media_type,
-)
+from vitembed.engine.served_indexes import ServedIndex
 from vitembed.server.auth import require_api_key
-from vitembed.server.deadlines import budget_s, request_deadline
-from vitembed.server.errors import ApiError
-from vitembed.server.routes_search import (
-    ServedIndex,
-    pick_index,
-    run_search_work,
-    served_indexes,
-    table_errors,
-)
-from vitembed.server.schemas import (
+from vitembed.server.body_parser import (
     is_json,
     media_type,
     parse_embed_json,
     parse_multipart,
     validation_error,
+)
+from vitembed.server.deadlines import budget_s, request_deadline
+from vitembed.server.errors import ApiError
+from vitembed.server.index_access import (
+    pick_index,
+    run_search_work,
+    served_indexes,
+    table_errors,
+)
+from vitembed.server.plumbing import (
+    ERROR_RESPONSES,
+    EngineDep,
+    SettingsDep,
+    offload,
+    race_client,
+    read_body,
+    run_engine,
+    unsupported_media_type,
 )
 
 STATIC = resources.files("vitembed.server") / "static"
@@ -204,9 +204,9 @@ async def _one_image(
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     if media_type(content_type) == "multipart/form-data":
-        images, raw = await _offload(len(body), parse_multipart, body, content_type or "", max_images, fields)
+        images, raw = await offload(len(body), parse_multipart, body, content_type or "", max_images, fields)
     elif is_json(content_type):
-        images, raw = await _offload(
+        images, raw = await offload(
             len(body), functools.partial(parse_embed_json, option_names=fields), body, max_images
         )
     else:

@@ -28,26 +28,20 @@ from vit_backbone.heads.card import precision_label
 from vit_backbone.heads.patch import upsample_logits
 from vitembed.engine.engine import ClassifyOutcome, Engine, RequestTicket
 from vitembed.engine.served_heads import labels_json
-from vitembed.server.app import (
+from vitembed.server.auth import require_api_key
+from vitembed.server.body_parser import is_json, media_type, merge_into, parse_embed_json, parse_multipart
+from vitembed.server.deadlines import budget_s, request_deadline
+from vitembed.server.errors import ApiError
+from vitembed.server.plumbing import (
     JSON_MEDIA_TYPE,
     EngineDep,
     MetricsDep,
     SettingsDep,
-    _offload,
+    offload,
     race_client,
     read_body,
     unsupported_media_type,
     wants_npy,
-)
-from vitembed.server.auth import require_api_key
-from vitembed.server.deadlines import budget_s, request_deadline
-from vitembed.server.errors import ApiError
-from vitembed.server.schemas import (
-    is_json,
-    media_type,
-    merge_into,
-    parse_embed_json,
-    parse_multipart,
 )
 from vitembed.server.serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from vitembed.settings import HEAD_NAME_MAX
@@ -144,11 +138,11 @@ async def classify(
     content_type = request.headers.get("content-type")
     limit = settings.max_images_per_request
     if media_type(content_type) == "multipart/form-data":
-        images, fields = await _offload(
+        images, fields = await offload(
             len(body), parse_multipart, body, content_type or "", limit, CLASSIFY_OPTIONS
         )
     elif is_json(content_type):
-        images, fields = await _offload(len(body), parse_classify_json, body, limit)
+        images, fields = await offload(len(body), parse_classify_json, body, limit)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
     options = merge_into(ClassifyOptionsIn, query.model_dump(exclude_none=True), fields)

@@ -1,0 +1,137 @@
+"""The request and response models of ``POST /v1/search`` and ``GET /v1/indexes`` (and the OpenAPI body of
+the search, whose images are parsed by hand)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vit_backbone.catalog.index_search import MAX_K, MAX_NPROBES
+
+MAX_WHERE_CHARS = 1024
+SEARCH_FIELDS = ("index", "k", "where", "nprobes", "threshold")
+
+
+class SearchOptionsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: str | None = Field(
+        None, min_length=1, max_length=128, description="a served index (default: the only one)"
+    )
+    k: int = Field(10, ge=1, le=MAX_K, description=f"results per query, 1..{MAX_K}")
+    where: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_WHERE_CHARS,
+        description="SQL predicate on the index's metadata columns, applied before the search",
+    )
+    nprobes: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_NPROBES,
+        description="IVF partitions an ANN search visits (default: 10% of them, at least 20)",
+    )
+    threshold: float | None = Field(
+        None,
+        ge=-1e30,
+        le=1e30,
+        description="keep only hits scoring at least this (near-duplicate check: `vitembed dedup`'s "
+        "calibrated cosine); each query then says whether any hit is left (`near_duplicate`)",
+    )
+
+
+class SearchJsonRequest(SearchOptionsIn):
+    images: list[dict[str, Any]] | None = Field(None, description='[{"base64": "..."}], one query per image')
+    vector: list[float] | None = Field(None, description="one query vector instead of images")
+
+
+class HitOut(BaseModel):
+    id: str
+    score: float = Field(description="similarity under the index's metric (cosine or dot): higher is closer")
+    metadata: dict[str, str | None]
+
+
+class QueryResultOut(BaseModel):
+    index: int = Field(description="0-based position of the query")
+    results: list[HitOut]
+    near_duplicate: bool | None = Field(None, description="with threshold: any hit scores at least it")
+
+
+class SearchProvenance(BaseModel):
+    index: str
+    model: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: list[int] | None
+    size: list[int] | None
+    policy: str
+    normalized: bool
+    metric: str
+    ann: bool
+    precision: str | None = Field(description="of the query embedding; null for vector queries")
+    model_precision: str | None = Field(
+        description="the served model's compute precision (float32, bfloat16 or float16)"
+    )
+    index_precision: str | None = Field(
+        description="the precision the index's vectors were made in; null when the catalog did not record it"
+    )
+
+
+class SearchResponse(BaseModel):
+    index: str
+    k: int
+    threshold: float | None = None
+    data: list[QueryResultOut]
+    provenance: SearchProvenance
+
+
+class IndexCard(BaseModel):
+    name: str
+    model: str
+    db: str
+    table: str
+    rows: int
+    metric: str
+    ann: bool
+    ann_threshold: int
+    metadata_columns: list[str]
+    meta: dict[str, Any]
+
+
+class IndexList(BaseModel):
+    object: str = "list"
+    data: list[IndexCard]
+
+
+_OPTION_PROPERTIES = SearchOptionsIn.model_json_schema()["properties"]
+_IMAGES_SCHEMA = {
+    "type": "array",
+    "items": {"type": "object", "required": ["base64"], "properties": {"base64": {"type": "string"}}},
+}
+SEARCH_BODY = {
+    "multipart/form-data": {
+        "schema": {
+            "type": "object",
+            "required": ["image"],
+            "properties": {
+                "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                **{
+                    name: {"type": "string", "description": p.get("description", "")}
+                    for name, p in _OPTION_PROPERTIES.items()
+                },
+            },
+        }
+    },
+    "application/json": {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "images": _IMAGES_SCHEMA,
+                "vector": {"type": "array", "items": {"type": "number"}},
+                **_OPTION_PROPERTIES,
+            },
+        }
+    },
+}
