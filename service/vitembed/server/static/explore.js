@@ -231,7 +231,12 @@ function drawPca() {
   $("pca-caption").textContent = `Block ${f.layer} of ${f.model}; red, green, blue = components 1, 2, 3, explaining ${share} of the variance; ${bg}.`;
 }
 
-const fmt = (v, digits = 2) => (typeof v === "number" ? v.toLocaleString("en-US", { maximumFractionDigits: digits }) : String(v));
+// small values keep three significant digits (a tiny model's 0.0007 GFLOPs is not "0")
+const fmt = (v, digits = 2) => {
+  if (typeof v !== "number") return String(v);
+  if (v !== 0 && Math.abs(v) < 1) return v.toLocaleString("en-US", { maximumSignificantDigits: 3 });
+  return v.toLocaleString("en-US", { maximumFractionDigits: digits });
+};
 
 function drawCost() {
   const f = state.features;
