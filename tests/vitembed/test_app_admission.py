@@ -18,8 +18,8 @@ from asgi_lifespan import LifespanManager
 from promtext import sum_samples
 from vitembed.engine.admission import ModelLoad, ThroughputEstimate
 from vitembed.engine.engine import Engine
+from vitembed.metrics import Metrics
 from vitembed.server.app import create_app
-from vitembed.server.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 if TYPE_CHECKING:  # fixtures' types (tests/vitembed/conftest.py)

@@ -15,7 +15,7 @@ import pytest
 from heads_synthetic import CLASSES, make_labelled_folder, make_segmentation_folder, segmentation_pair
 from vitembed.engine.engine import Engine
 from vitembed.engine.served_heads import HeadStartupError, preflight_heads, same_pixels
-from vitembed.server.metrics import Metrics
+from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 from vit_backbone import Backbone, load_backbone

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from vitembed.engine.engine import Engine
+from vitembed.metrics import Metrics
 from vitembed.server.app import create_app
-from vitembed.server.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 if TYPE_CHECKING:  # fixtures' types (tests/service/conftest.py)

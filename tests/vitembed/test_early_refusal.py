@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from vitembed.engine.engine import Engine
+from vitembed.metrics import Metrics
 from vitembed.server.early_refusal import AdmissionGate
-from vitembed.server.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 TOKENS = 17  # the tiny DINOv2 at its defaults

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vitembed.engine.engine import EmbedOptions, Engine, ItemError, NotReadyError, RequestTicket
-from vitembed.server.metrics import Metrics
+from vitembed.engine.engine import EmbedOptions, Engine, NotReadyError, RequestImageError, RequestTicket
+from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 from vit_backbone import InvalidOptionError, ModelNotFoundError, SizeError, load_backbone
@@ -77,10 +77,10 @@ def test_concurrent_requests_share_forward_passes_and_equal_the_library(
 def test_a_bad_image_names_its_index_and_costs_no_forward_pass(engine: Engine) -> None:
     before = metric(engine, "vitembed_forward_passes_total")
     good = jpeg(100, 100, 1)
-    with pytest.raises(ItemError) as failed:
+    with pytest.raises(RequestImageError) as failed:
         asyncio.run(embed(engine, [good, good[: len(good) // 2], b"not an image"]))
     assert failed.value.index == 1 and failed.value.error.code == "truncated"
-    with pytest.raises(ItemError) as failed:
+    with pytest.raises(RequestImageError) as failed:
         asyncio.run(embed(engine, [good, good, b"not an image"]))
     assert failed.value.index == 2 and failed.value.error.code == "not_an_image"
     assert metric(engine, "vitembed_forward_passes_total") == before

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from vitembed.cli.main import main
 from vitembed.engine.engine import EmbedOptions, Engine, RequestTicket
-from vitembed.server.metrics import Metrics
+from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 from vit_backbone import load_backbone

@@ -20,7 +20,7 @@ READ_CHUNK = 1 << 20
 INVALID_NAME = "invalid_name"
 
 
-class ItemError(Exception):
+class CatalogItemError(Exception):
     """Raised by ``prepare_item``; carries the failure record for errors.jsonl."""
 
     def __init__(self, failure: ItemFailure) -> None:
@@ -64,7 +64,7 @@ class _ReadError(Exception):
 
 
 def failure_for(item: SourceItem, exc: BaseException) -> ItemFailure:
-    if isinstance(exc, ItemError):
+    if isinstance(exc, CatalogItemError):
         return exc.failure
     if isinstance(exc, VitEmbedError):
         code = exc.code
@@ -81,11 +81,14 @@ def failure_for(item: SourceItem, exc: BaseException) -> ItemFailure:
 def prepare_item(
     item: SourceItem, preprocessor: Preprocessor, policy: ResizePolicy, size: tuple[int, int] | None
 ) -> Prepared:
-    """Read and preprocess one image exactly as the server does (``draft=True``); raises ``ItemError``."""
+    """Read and preprocess one image exactly as the server does (``draft=True``); raises
+    ``CatalogItemError``."""
     if item.invalid:
-        raise ItemError(ItemFailure(id=item.id, path=item.path, code=INVALID_NAME, message=item.invalid))
+        raise CatalogItemError(
+            ItemFailure(id=item.id, path=item.path, code=INVALID_NAME, message=item.invalid)
+        )
     try:
         data = read_file(item.path, preprocessor.limits.max_bytes)
         return preprocessor(data, policy=policy, size=size, draft=True)
     except Exception as exc:
-        raise ItemError(failure_for(item, exc)) from exc
+        raise CatalogItemError(failure_for(item, exc)) from exc

@@ -10,40 +10,36 @@ knowledge; the app maps its exceptions to statuses.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
 from vit_backbone.cpu_quota import available_cpus
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, VitEmbedError
 from vit_backbone.pooling import check_pooling, pooled_array
-from vit_backbone.precision import (
-    MIN_COSINE,
-    PrecisionChoice,
-    choose_autocast,
-    pick_device,
-    probe_images,
-    to_device,
-)
-from vit_backbone.preprocess import Prepared, Preprocessor, check_token_budget, stack, stack_valid
+from vit_backbone.precision import PrecisionChoice, pick_device, to_device
+from vit_backbone.preprocess import Prepared, check_token_budget, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad, Reservation
 from vitembed.engine.batcher import (
     CancelledWorkError,
     DeadlineExceededError,
-    DynamicBatcher,
     QueueFullError,
     RequestTicket,
     WorkItem,
+)
+from vitembed.engine.request_types import (
+    ClassifyOutcome,
+    EmbedOptions,
+    EmbedOutcome,
+    NotReadyError,
+    RequestImageError,
 )
 from vitembed.engine.served_heads import (
     BoundHead,
@@ -54,82 +50,24 @@ from vitembed.engine.served_heads import (
     pool_requests,
     select_heads,
 )
-from vitembed.server.metrics import Metrics
+from vitembed.engine.served_model import ServedModel, start_model
+from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = [
+__all__ = [  # the engine's public face: the request types and the errors of the request path
     "CancelledWorkError",
     "ClassifyOutcome",
     "DeadlineExceededError",
     "EmbedOptions",
     "EmbedOutcome",
     "Engine",
-    "ItemError",
     "NotReadyError",
     "QueueFullError",
+    "RequestImageError",
     "RequestTicket",
 ]
-
-
-class ItemError(Exception):
-    """One image of a request is unusable; ``index`` is its 0-based position."""
-
-    def __init__(self, index: int, error: VitEmbedError) -> None:
-        super().__init__(f"image {index}: {error}")
-        self.index = index
-        self.error = error
-
-
-class NotReadyError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class EmbedOptions:
-    pooling: str | None = None
-    layers: tuple[int, ...] | None = None
-    size: tuple[int, int] | None = None
-    policy: str | None = None
-    normalize: bool = False
-    heads: tuple[str, ...] = ()  # heads computed from the same forward pass
-
-
-@dataclass(frozen=True)
-class EmbedOutcome:
-    vectors: np.ndarray  # [n, F] or [n, h, w, F] float32, input order
-    grids: list[tuple[int, int]]
-    model: str
-    revision: str
-    preprocess_hash: str
-    pooling: str
-    layers: list[int] | None
-    policy: str
-    normalized: bool
-    interpolation: str
-    precision: str
-    heads: tuple[BoundHead, ...] = ()
-    head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
-    valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
-
-
-@dataclass(frozen=True)
-class ClassifyOutcome:
-    head: BoundHead
-    outputs: list[np.ndarray]  # per image: probabilities [C], or logits [h, w, C] for a patch head
-    source_sizes: list[tuple[int, int]]  # (H, W) of each input image
-    precision: str
-
-
-@dataclass
-class _Served:
-    name: str
-    backbone: Backbone
-    preprocessor: Preprocessor
-    batcher: DynamicBatcher
-    precision: PrecisionChoice
-    load: ModelLoad
 
 
 class Engine:
@@ -143,7 +81,7 @@ class Engine:
         )
         self.admission = AdmissionControl(settings.queue_size, settings.queue_delay_target_s)
         self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
-        self._served: dict[str, _Served] = {}
+        self._served: dict[str, ServedModel] = {}
         self._heads: dict[str, BoundHead] = {}
         self._ready = False
 
@@ -158,63 +96,19 @@ class Engine:
         log.info("torch threads: %d", threads)
         device = pick_device(self.settings.device)
         for name, target in self.settings.models.items():
-            started = time.monotonic()
-            backbone = load_backbone(target, device=device, cache_dir=self.settings.cache_dir)
-            precision = self._choose_precision(name, backbone)
-            preprocessor = Preprocessor(
-                backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=self.limits
-            )
-            load = self.admission.model(name, batch_wait_s=self.settings.max_wait_ms / 1000)
-            self._seed_estimate(backbone, preprocessor, load)
-            batcher = DynamicBatcher(
+            self._served[name] = start_model(
                 name,
-                functools.partial(self._forward, backbone),
-                load=load,
-                max_batch_size=self.settings.max_batch_size,
-                max_batch_tokens=self.settings.max_batch_tokens,
-                max_wait_s=self.settings.max_wait_ms / 1000,
-                on_batch=functools.partial(self._record_batch, name),
-                on_depth=self.metrics.queue_depth.labels(name).set,
+                target,
+                settings=self.settings,
+                device=device,
+                limits=self.limits,
+                admission=self.admission,
+                metrics=self.metrics,
+                forward=self._forward,
                 on_drop=self._record_drop,
             )
-            self._served[name] = _Served(name, backbone, preprocessor, batcher, precision, load)
-            log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision.describe())
         self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
         self._ready = True
-
-    def _choose_precision(self, name: str, backbone: Backbone) -> PrecisionChoice:
-        """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the
-        warm-up images with the model's default options; the choice is applied to the backbone."""
-        try:
-            choice = choose_autocast(backbone, self.settings.precision, probe_images() * 2, batch_size=8)
-        except ValueError as exc:
-            raise ValueError(f"model {name}: {exc}") from exc
-        if self.settings.precision == "auto" and choice.dtype is None and choice.seconds is not None:
-            log.warning(
-                "model %s: bfloat16 autocast not used (min cosine %.5f, %.3f s vs %.3f s float32)",
-                name,
-                choice.min_cosine,
-                choice.seconds[1],
-                choice.seconds[0],
-            )
-        elif choice.min_cosine is not None and choice.min_cosine < MIN_COSINE:
-            log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
-        backbone.autocast = choice.dtype
-        return choice
-
-    def _seed_estimate(self, backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad) -> None:
-        """Time one full batch at the default options, so that admission predicts waits from the first
-        request on (later forward passes keep the estimate current)."""
-        prepared = preprocessor(probe_images()[0], policy=backbone.check_policy(None))
-        tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
-        count = max(1, min(self.settings.max_batch_size, self.settings.max_batch_tokens // tokens))
-        pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
-        valid = stack_valid([prepared] * count)  # [count, h, w] or None
-        pixel_values = to_device(pixel_values, backbone.device)
-        pooling, layers = backbone.choose(None, None)
-        started = time.perf_counter()
-        backbone.pooled(pixel_values, pooling, layers, valid=valid)
-        load.observe(tokens, count, time.perf_counter() - started)
 
     def stop(self) -> None:
         self._ready = False
@@ -270,10 +164,10 @@ class Engine:
         served = self._get(model)
         chosen = served.backbone.check_policy(policy)
         if size is not None:
-            self._check_size(served, chosen, size)
+            served.check_size(chosen, size, self.settings.max_tokens_per_image)
         return (await self._prepare_all(served, [data], chosen, size, ticket))[0]
 
-    def _get(self, model: str) -> _Served:
+    def _get(self, model: str) -> ServedModel:
         if not self._ready:
             raise NotReadyError("models are still loading")
         served = self._served.get(model)
@@ -308,7 +202,7 @@ class Engine:
         policy = bb.check_policy(options.policy)
         heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
         if options.size is not None:
-            self._check_size(served, policy, options.size)
+            served.check_size(policy, options.size, self.settings.max_tokens_per_image)
         head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
         reservation = self._admit(served, len(images), policy, options.size, deadline)
@@ -346,7 +240,7 @@ class Engine:
         served = self._get(bound.model)
         inputs = bound.inputs
         if inputs.size is not None:
-            self._check_size(served, inputs.policy, inputs.size)
+            served.check_size(inputs.policy, inputs.size, self.settings.max_tokens_per_image)
         layers = None if inputs.layers is None else tuple(inputs.layers)
         reservation = self._admit(served, len(images), inputs.policy, inputs.size, deadline)
         try:
@@ -364,7 +258,7 @@ class Engine:
 
     async def _run(
         self,
-        served: _Served,
+        served: ServedModel,
         prepared: Sequence[Prepared],
         key_tail: tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]],
         ticket: RequestTicket,
@@ -402,22 +296,22 @@ class Engine:
         """Before a body is read: refuse at once (``QueueFullError``) if not even one image of ``model`` at
         its default options could be admitted now. Nothing is reserved; the full check follows the parse."""
         served = self._get(model)
-        tokens = self._expected_tokens(served, served.backbone.check_policy(None), None)
+        tokens = served.expected_tokens(served.backbone.check_policy(None), None)
         try:
             served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False)
         except QueueFullError as refused:
             self._count_refusal(served, refused)
             raise
 
-    def _count_refusal(self, served: _Served, refused: QueueFullError) -> None:
+    def _count_refusal(self, served: ServedModel, refused: QueueFullError) -> None:
         self.metrics.rejected.labels(refused.reason).inc()
         self.metrics.admission.labels(served.name, refused.reason).inc()
 
     def _admit(
-        self, served: _Served, count: int, policy: str, size: tuple[int, int] | None, deadline: float
+        self, served: ServedModel, count: int, policy: str, size: tuple[int, int] | None, deadline: float
     ) -> Reservation:
         """Reserve room for ``count`` images before any is decoded, or refuse (``QueueFullError``, 429)."""
-        tokens = self._expected_tokens(served, policy, size)
+        tokens = served.expected_tokens(policy, size)
         try:
             reservation = served.load.admit(count, tokens, deadline - time.monotonic())
         except QueueFullError as refused:
@@ -427,29 +321,12 @@ class Engine:
         self.metrics.admission_wait.labels("predicted").observe(reservation.predicted_wait_s)
         return reservation
 
-    @staticmethod
-    def _expected_tokens(served: _Served, policy: str, size: tuple[int, int] | None) -> int:
-        """Tokens per image before decoding: the policy's output for a source of the model's own size
-        (exact for crop, squash and pad; the budget for dynamic)."""
-        bb = served.backbone
-        (ph, pw), (gh, gw) = bb.patch_size, bb.processing_grid
-        height, width = served.preprocessor.target_size(policy, size, (gh * ph, gw * pw))  # type: ignore[arg-type]
-        return (height // ph) * (width // pw) + bb.prefix_tokens
-
     def _budget(self, ticket: RequestTicket) -> float:
         return ticket.budget_s if ticket.budget_s is not None else self.settings.request_timeout_s
 
-    def _check_size(self, served: _Served, policy: str, size: tuple[int, int]) -> None:
-        """A size that no image can satisfy is the request's fault, not one image's: refuse it before
-        decoding anything (the preprocessor's own check names the nearest valid sizes)."""
-        served.preprocessor.target_size(policy, size, size)  # type: ignore[arg-type]
-        (ph, pw) = served.backbone.patch_size
-        grid = (size[0] // ph, size[1] // pw)
-        check_token_budget(grid, self.settings.max_tokens_per_image, f"size {size[0]}x{size[1]}")
-
     async def _prepare_all(
         self,
-        served: _Served,
+        served: ServedModel,
         images: Sequence[bytes],
         policy: str,
         size: tuple[int, int] | None,
@@ -463,14 +340,14 @@ class Engine:
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, VitEmbedError):
-                raise ItemError(index, result)
+                raise RequestImageError(index, result)
             if isinstance(result, BaseException):
                 raise result
         return [r for r in results if isinstance(r, Prepared)]
 
     def _prepare_one(
         self,
-        served: _Served,
+        served: ServedModel,
         data: bytes,
         policy: str,
         size: tuple[int, int] | None,
@@ -516,12 +393,6 @@ class Engine:
 
     def _record_drop(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
-
-    def _record_batch(self, model: str, size: int, queue_wait: float, forward_s: float) -> None:
-        self.metrics.batch_size.labels(model).observe(size)
-        self.metrics.forward_passes.labels(model).inc()
-        self.metrics.stage_seconds.labels("queue").observe(queue_wait)
-        self.metrics.stage_seconds.labels("forward").observe(forward_s)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

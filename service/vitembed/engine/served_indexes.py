@@ -25,7 +25,7 @@ from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_matching
 from vit_backbone.errors import SizeError, VitEmbedError
 from vit_backbone.preprocess import check_token_budget
-from vitembed.engine.engine import EmbedOptions
+from vitembed.engine.request_types import EmbedOptions
 from vitembed.settings import ServiceSettings, split_index_target
 from vitembed.settings_error import SettingsError
 

@@ -25,6 +25,7 @@ from pydantic.json_schema import models_json_schema
 
 from vitembed.engine.engine import Engine
 from vitembed.engine.served_indexes import load_indexes
+from vitembed.metrics import Metrics
 from vitembed.server.connection_limits import (
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
@@ -32,7 +33,6 @@ from vitembed.server.connection_limits import (
 )
 from vitembed.server.early_refusal import AdmissionGate
 from vitembed.server.errors import RequestContextMiddleware, install_error_handlers
-from vitembed.server.metrics import Metrics
 from vitembed.server.openapi import make_contract
 from vitembed.server.routes_embed import embed_router
 from vitembed.server.routes_explore import explore_router, page_router

@@ -26,8 +26,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vitembed.metrics import Metrics
 from vitembed.server.errors import ApiError, error_response, sanitise_request_id
-from vitembed.server.metrics import Metrics
 
 log = logging.getLogger("vitembed.service")
 

@@ -23,9 +23,9 @@ from urllib.parse import parse_qs
 
 from vitembed.engine.admission import QueueFullError
 from vitembed.engine.engine import Engine
+from vitembed.metrics import Metrics
 from vitembed.server.deadlines import TIMEOUT_HEADER
 from vitembed.server.errors import ADMISSION_CODES, admission_message, error_body, sanitise_request_id
-from vitembed.server.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 GATED_PATHS = ("/v1/embed", "/v1/embeddings")

@@ -58,11 +58,11 @@ from vitembed.engine.admission import DEADLINE, QUEUE_DELAY, QUEUE_FULL
 from vitembed.engine.engine import (
     CancelledWorkError,
     DeadlineExceededError,
-    ItemError,
     NotReadyError,
     QueueFullError,
+    RequestImageError,
 )
-from vitembed.server.metrics import Metrics
+from vitembed.metrics import Metrics
 
 log = logging.getLogger("vitembed.service")
 
@@ -282,7 +282,7 @@ async def _vitembed_error(request: Request, exc: Exception) -> Response:
 
 
 async def _item_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ItemError)
+    assert isinstance(exc, RequestImageError)
     return _library_error(request, exc.error, exc.index)
 
 
@@ -361,7 +361,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     handlers = {
         ApiError: _api_error,
-        ItemError: _item_error,
+        RequestImageError: _item_error,
         VitEmbedError: _vitembed_error,
         QueueFullError: _queue_full,
         DeadlineExceededError: _deadline,

@@ -21,9 +21,9 @@ from vitembed.engine.engine import (
     NotReadyError,
     RequestTicket,
 )
+from vitembed.metrics import Metrics
 from vitembed.server.deadlines import budget_s
 from vitembed.server.errors import CLIENT_CLOSED, ApiError
-from vitembed.server.metrics import Metrics
 from vitembed.server.schemas import ErrorResponse
 from vitembed.server.serialise import NPY_MEDIA_TYPE
 from vitembed.settings import ServiceSettings

@@ -36,7 +36,7 @@ from vit_backbone.catalog.item_images import MAX_THUMBNAIL_SIDE, ItemImages, Ite
 from vit_backbone.costs import cost_report
 from vit_backbone.errors import ImageDecodeError
 from vit_backbone.patch_maps import model_view, patch_pca, patch_similarity
-from vitembed.engine.engine import EmbedOptions, Engine, ItemError, RequestTicket
+from vitembed.engine.engine import EmbedOptions, Engine, RequestImageError, RequestTicket
 from vitembed.engine.served_indexes import ServedIndex
 from vitembed.server.auth import require_api_key
 from vitembed.server.body_parser import (
@@ -387,7 +387,7 @@ async def patch_similarity_route(request: Request, engine: EngineDep, settings: 
     query, _, block, policy = await _tokens_and_view(request, engine, model, image, options, deadline)
     try:
         tokens, prepared, _, _ = await _tokens_and_view(request, engine, model, item, options, deadline)
-    except ItemError as exc:  # the catalog's file, not the client's image
+    except RequestImageError as exc:  # the catalog's file, not the client's image
         raise ApiError(
             404, "item_not_found", f"the image of item {options.id[:128]!r} cannot be used: {exc.error}"
         ) from exc

@@ -19,8 +19,8 @@ import numpy as np
 from vit_backbone.pooling import nonfinite_rows
 from vitembed.engine.engine import EmbedOutcome
 from vitembed.engine.served_heads import heads_json, heads_provenance, non_finite_head
+from vitembed.metrics import Metrics
 from vitembed.server.errors import ApiError
-from vitembed.server.metrics import Metrics
 
 T = TypeVar("T")
 

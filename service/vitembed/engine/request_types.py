@@ -1,0 +1,60 @@
+"""What a request asks of the engine and what it gets back: options, outcomes, and the request-level
+errors the engine raises (the HTTP layer maps them to statuses). No behaviour here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vit_backbone.errors import VitEmbedError
+from vitembed.engine.served_heads import BoundHead
+
+
+class RequestImageError(Exception):
+    """One image of a request is unusable; ``index`` is its 0-based position in the request."""
+
+    def __init__(self, index: int, error: VitEmbedError) -> None:
+        super().__init__(f"image {index}: {error}")
+        self.index = index
+        self.error = error
+
+
+class NotReadyError(Exception):
+    """The models are still loading, or a model worker has stopped (503)."""
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    pooling: str | None = None
+    layers: tuple[int, ...] | None = None
+    size: tuple[int, int] | None = None
+    policy: str | None = None
+    normalize: bool = False
+    heads: tuple[str, ...] = ()  # heads computed from the same forward pass
+
+
+@dataclass(frozen=True)
+class EmbedOutcome:
+    vectors: np.ndarray  # [n, F] or [n, h, w, F] float32, input order
+    grids: list[tuple[int, int]]
+    model: str
+    revision: str
+    preprocess_hash: str
+    pooling: str
+    layers: list[int] | None
+    policy: str
+    normalized: bool
+    interpolation: str
+    precision: str
+    heads: tuple[BoundHead, ...] = ()
+    head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
+    valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
+
+
+@dataclass(frozen=True)
+class ClassifyOutcome:
+    head: BoundHead
+    outputs: list[np.ndarray]  # per image: probabilities [C], or logits [h, w, C] for a patch head
+    source_sizes: list[tuple[int, int]]  # (H, W) of each input image
+    precision: str

@@ -1,0 +1,134 @@
+"""One served model: its backbone, preprocessor, batcher, precision and admission state, and how it is
+started (load the weights, choose the precision on the probe images, time one full batch so that admission
+predicts waits from the first request on, start the batcher's forward thread)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vit_backbone import load_backbone
+from vit_backbone.backbone import Backbone
+from vit_backbone.decode import DecodeLimits
+from vit_backbone.precision import MIN_COSINE, PrecisionChoice, choose_autocast, probe_images, to_device
+from vit_backbone.preprocess import Preprocessor, check_token_budget, stack, stack_valid
+from vitembed.engine.admission import AdmissionControl, ModelLoad
+from vitembed.engine.batcher import DynamicBatcher, WorkItem
+from vitembed.metrics import Metrics
+from vitembed.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[Backbone, Sequence[WorkItem]], Sequence[Any]]
+
+
+@dataclass
+class ServedModel:
+    name: str
+    backbone: Backbone
+    preprocessor: Preprocessor
+    batcher: DynamicBatcher
+    precision: PrecisionChoice
+    load: ModelLoad
+
+    def expected_tokens(self, policy: str, size: tuple[int, int] | None) -> int:
+        """Tokens per image before decoding: the policy's output for a source of the model's own size
+        (exact for crop, squash and pad; the budget for dynamic)."""
+        bb = self.backbone
+        (ph, pw), (gh, gw) = bb.patch_size, bb.processing_grid
+        height, width = self.preprocessor.target_size(policy, size, (gh * ph, gw * pw))  # type: ignore[arg-type]
+        return (height // ph) * (width // pw) + bb.prefix_tokens
+
+    def check_size(self, policy: str, size: tuple[int, int], max_tokens: int) -> None:
+        """A size that no image can satisfy is the request's fault, not one image's: refuse it before
+        decoding anything (the preprocessor's own check names the nearest valid sizes)."""
+        self.preprocessor.target_size(policy, size, size)  # type: ignore[arg-type]
+        (ph, pw) = self.backbone.patch_size
+        grid = (size[0] // ph, size[1] // pw)
+        check_token_budget(grid, max_tokens, f"size {size[0]}x{size[1]}")
+
+
+def start_model(
+    name: str,
+    target: str,
+    *,
+    settings: ServiceSettings,
+    device: torch.device,
+    limits: DecodeLimits,
+    admission: AdmissionControl,
+    metrics: Metrics,
+    forward: Forward,
+    on_drop: Callable[[str], None],
+) -> ServedModel:
+    """Load ``target``, choose its precision, seed its throughput estimate and start its batcher."""
+    started = time.monotonic()
+    backbone = load_backbone(target, device=device, cache_dir=settings.cache_dir)
+    precision = choose_precision(name, backbone, settings.precision)
+    preprocessor = Preprocessor(
+        backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=limits
+    )
+    load = admission.model(name, batch_wait_s=settings.max_wait_ms / 1000)
+    seed_estimate(backbone, preprocessor, load, settings)
+
+    def on_batch(size: int, queue_wait: float, forward_s: float) -> None:
+        metrics.batch_size.labels(name).observe(size)
+        metrics.forward_passes.labels(name).inc()
+        metrics.stage_seconds.labels("queue").observe(queue_wait)
+        metrics.stage_seconds.labels("forward").observe(forward_s)
+
+    batcher = DynamicBatcher(
+        name,
+        lambda items: forward(backbone, items),
+        load=load,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_wait_s=settings.max_wait_ms / 1000,
+        on_batch=on_batch,
+        on_depth=metrics.queue_depth.labels(name).set,
+        on_drop=on_drop,
+    )
+    log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision.describe())
+    return ServedModel(name, backbone, preprocessor, batcher, precision, load)
+
+
+def choose_precision(name: str, backbone: Backbone, setting: str) -> PrecisionChoice:
+    """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the warm-up
+    images with the model's default options; the choice is applied to the backbone."""
+    try:
+        choice = choose_autocast(backbone, setting, probe_images() * 2, batch_size=8)
+    except ValueError as exc:
+        raise ValueError(f"model {name}: {exc}") from exc
+    if setting == "auto" and choice.dtype is None and choice.seconds is not None:
+        log.warning(
+            "model %s: bfloat16 autocast not used (min cosine %.5f, %.3f s vs %.3f s float32)",
+            name,
+            choice.min_cosine,
+            choice.seconds[1],
+            choice.seconds[0],
+        )
+    elif choice.min_cosine is not None and choice.min_cosine < MIN_COSINE:
+        log.warning("model %s: %s as asked, although it drifts from float32", name, choice.describe())
+    backbone.autocast = choice.dtype
+    return choice
+
+
+def seed_estimate(
+    backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad, settings: ServiceSettings
+) -> None:
+    """Time one full batch at the default options, so that admission predicts waits from the first request
+    on (later forward passes keep the estimate current)."""
+    prepared = preprocessor(probe_images()[0], policy=backbone.check_policy(None))
+    tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
+    count = max(1, min(settings.max_batch_size, settings.max_batch_tokens // tokens))
+    pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
+    valid = stack_valid([prepared] * count)  # [count, h, w] or None
+    pixel_values = to_device(pixel_values, backbone.device)
+    pooling, layers = backbone.choose(None, None)
+    started = time.perf_counter()
+    backbone.pooled(pixel_values, pooling, layers, valid=valid)
+    load.observe(tokens, count, time.perf_counter() - started)
