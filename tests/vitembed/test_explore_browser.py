@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -35,7 +35,7 @@ from vit_backbone import Backbone
 from vit_backbone.heads import TrainOptions, save_head, train_head
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Page, Request
+    from playwright.sync_api import Browser, ConsoleMessage, Error, Page, Request, Response
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).is_file():
@@ -180,6 +180,20 @@ class Tab:
     errors: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # answers >= 400 the page received
 
+    def record_request(self, request: Request) -> None:
+        self.requests.append(request)
+
+    def record_console(self, message: ConsoleMessage) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def record_page_error(self, error: Error) -> None:
+        self.errors.append(str(error))
+
+    def record_response(self, response: Response) -> None:
+        if response.status >= 400:
+            self.failed.append(f"{response.status} {response.url}")
+
     def foreign(self) -> list[str]:
         same = (self.origin + "/", "blob:" + self.origin + "/")
         return [r.url for r in self.requests if not r.url.startswith(same)]
@@ -195,10 +209,10 @@ def open_tab(
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         tab = Tab(context.new_page(), server.url)
         tab.page.set_default_timeout(WAIT_MS)
-        tab.page.on("request", lambda r: tab.requests.append(r))
-        tab.page.on("console", lambda m: m.type == "error" and tab.errors.append(m.text))
-        tab.page.on("pageerror", lambda e: tab.errors.append(str(e)))
-        tab.page.on("response", lambda r: r.status >= 400 and tab.failed.append(f"{r.status} {r.url}"))
+        tab.page.on("request", tab.record_request)
+        tab.page.on("console", tab.record_console)
+        tab.page.on("pageerror", tab.record_page_error)
+        tab.page.on("response", tab.record_response)
         tab.page.goto(server.url + "/")
         tabs.append(tab)
         return tab
@@ -219,7 +233,7 @@ def ready(tab: Tab) -> None:
 def upload(tab: Tab, name: str, data: bytes, mime: str = "image/jpeg") -> None:
     """Pick a file through the page's own file input and wait until its patch features are drawn."""
     before = tab.page.evaluate("Number(document.body.dataset.features || 0)")
-    tab.page.set_input_files("#file", files=[{"name": name, "mimeType": mime, "buffer": data}])
+    tab.page.set_input_files("#file", files=[sync_api.FilePayload(name=name, mimeType=mime, buffer=data)])
     tab.page.wait_for_function(f"() => Number(document.body.dataset.features || 0) > {before}")
 
 
@@ -274,7 +288,7 @@ def wait_for_thumbnails(tab: Tab) -> list[str]:
 
 
 def click_patch(tab: Tab, row: int, col: int) -> None:
-    grid = [int(v) for v in tab.page.get_attribute("#view", "data-grid").split("x")]
+    grid = [int(v) for v in (tab.page.get_attribute("#view", "data-grid") or "").split("x")]
     box = tab.page.locator("#view").bounding_box()
     assert box is not None
     tab.page.mouse.click(
@@ -304,7 +318,8 @@ def test_pca_map_pixels_equal_the_api_and_the_first_neighbour_of_a_crop_is_its_p
     drawn = canvas_rgb(tab, "#pca")
     assert drawn.shape == (*body["grid"], 3)
     assert np.abs(drawn.astype(int) - np.rint(api_rgb * 255)).max() == 0  # exact; the rule asks 1/255
-    tokens = reference.embed(crop, pooling="patch", layers=[int(options["layer"])], policy=options["policy"])[
+    policy: Any = options["policy"]
+    tokens = reference.embed(crop, pooling="patch", layers=[int(options["layer"])], policy=policy)[
         0
     ]  # [h, w, D]
     np.testing.assert_allclose(api_rgb, numpy_pca(tokens), atol=1 / 255)  # the sign rule: same colours
@@ -383,7 +398,9 @@ def test_a_non_image_shows_the_servers_error_verbatim(
     text = b"plain text, not a picture\n"
     with server.client() as client:
         error = client.post("/v1/patch-features", files={"image": text}).json()["error"]
-    tab.page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": text}])
+    tab.page.set_input_files(
+        "#file", files=[sync_api.FilePayload(name="notes.txt", mimeType="text/plain", buffer=text)]
+    )
     tab.page.wait_for_function("() => document.getElementById('error').textContent !== ''")
     assert tab.page.inner_text("#error") == f"400 {error['code']}: {error['message']}"
     assert error["code"] == "not_an_image"
@@ -466,7 +483,7 @@ def test_keyboard_alone_reaches_and_operates_every_control(
     with page.expect_file_chooser() as chooser:
         page.keyboard.press("Space")
     chooser.value.set_files(
-        files=[{"name": "coffee.jpg", "mimeType": "image/jpeg", "buffer": photos["coffee"]}]
+        files=[sync_api.FilePayload(name="coffee.jpg", mimeType="image/jpeg", buffer=photos["coffee"])]
     )
     page.wait_for_function("() => Number(document.body.dataset.features || 0) > 0")
     neighbour_ids(tab)
