@@ -390,11 +390,13 @@ def test_changing_the_policy_redraws_the_grid(
     assert (tab.errors, tab.failed) == ([], [])
 
 
-def test_a_non_image_shows_the_servers_error_verbatim(
-    server: ServerProcess, open_tab: Callable[[ServerProcess], Tab]
+def test_a_non_image_shows_the_servers_error_verbatim_and_nothing_of_the_previous_image(
+    server: ServerProcess, open_tab: Callable[[ServerProcess], Tab], photos: dict[str, bytes]
 ) -> None:
     tab = open_tab(server)
     ready(tab)
+    upload(tab, "coffee.jpg", photos["coffee"])
+    neighbour_ids(tab)
     text = b"plain text, not a picture\n"
     with server.client() as client:
         error = client.post("/v1/patch-features", files={"image": text}).json()["error"]
@@ -405,6 +407,14 @@ def test_a_non_image_shows_the_servers_error_verbatim(
     assert tab.page.inner_text("#error") == f"400 {error['code']}: {error['message']}"
     assert error["code"] == "not_an_image"
     assert tab.page.get_attribute("#error", "role") == "alert"
+    # the coffee's pictures are gone: no picture on screen belongs to another image than the one chosen
+    assert tab.page.eval_on_selector_all("#view, #pca, #match-heat", "cs => cs.map((c) => c.width)") == [
+        1,
+        1,
+        1,
+    ]
+    assert tab.page.locator(".neighbour").count() == 0 and tab.page.is_hidden("#cost")
+    assert tab.page.inner_text("#view-caption") == "No image yet."
 
 
 def test_heads_predictions_are_shown(server: ServerProcess, open_tab: Callable[[ServerProcess], Tab]) -> None:

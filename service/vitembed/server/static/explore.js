@@ -506,8 +506,33 @@ function fillHeads() {
 }
 
 // ------------------------------------------------------------------------------------------- events
+// a new image: nothing drawn for the previous one stays on screen, even when the new one is refused
+function resetPictures() {
+  state.features = null;
+  state.viewBitmap = null;
+  state.neighbours = [];
+  for (const id of ["view", "pca", "match-view", "match-heat"]) {
+    const canvas = $(id);
+    canvas.width = 1;
+    canvas.height = 1;
+    canvas.removeAttribute("style");
+    for (const key of Object.keys(canvas.dataset)) delete canvas.dataset[key];
+  }
+  $("view-caption").textContent = "No image yet.";
+  $("pca-caption").textContent = "No image yet.";
+  $("match-caption").textContent = "Choose a neighbour and a patch.";
+  $("cost").hidden = true;
+  state.thumbUrls.forEach((url) => URL.revokeObjectURL(url));
+  state.thumbUrls = [];
+  $("neighbours").replaceChildren();
+  if (state.indexes.length) $("similar-caption").textContent = "Load an image to search.";
+  document.body.dataset.neighbours = "0";
+  fillHeads();
+}
+
 async function useImage(blob) {
   if (!blob) return;
+  if (blob !== state.image) resetPictures();
   state.image = blob;
   state.patch = null;
   await analyse();
