@@ -9,8 +9,6 @@ import threading
 from types import FrameType
 from typing import Any
 
-from pydantic import ValidationError
-
 from vit_backbone.errors import MissingExtraError, ModelLoadError, VitEmbedError
 from vitembed.settings_error import SettingsError as SettingsError  # re-exported: it lived here
 
@@ -126,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     try:  # before the heavy imports below: a bad setting fails in a fraction of a second
         settings = ServiceSettings(**settings_overrides(args))
-    except (ValidationError, ValueError) as exc:
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise SettingsError(_first_error(exc)) from exc
     _preflight_models(settings)  # before loading any weights: an unusable config.json stops start-up
     if settings.indexes:  # before loading any weights: a table no served model can query stops start-up
@@ -192,6 +190,8 @@ def _check_service_extra(exc: ImportError) -> None:
 
 
 def _first_error(exc: Exception) -> str:
+    from pydantic import ValidationError  # here: `vitembed --help` runs without the service extra
+
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "settings"
