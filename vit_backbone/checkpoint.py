@@ -44,6 +44,8 @@ def resolve_checkpoint(
         meta = json.loads((folder / "vitembed.json").read_text())
         return ResolvedCheckpoint(folder, str(meta["name"]), str(meta["revision"]), "embedded")
     path = Path(text).expanduser()
+    if not text.strip():
+        raise ModelNotFoundError("empty model name: give a checkpoint folder, a hub id or 'embedded'")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
@@ -51,8 +53,65 @@ def resolve_checkpoint(
             )
         return ResolvedCheckpoint(path.resolve(), path.resolve().name, _local_revision(path), "local")
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
-        raise ModelNotFoundError(f"{text} is not a checkpoint folder (expected a folder with config.json)")
+        raise ModelNotFoundError(
+            f"{text} is not a checkpoint folder (expected a folder with config.json){_suggest(text)}"
+        )
     return _resolve_hub(text, allow_download=allow_download)
+
+
+# Hub ids of the families the library knows, for a did-you-mean on a bare name (``dinov2-small``).
+KNOWN_HUB_IDS = (
+    "facebook/dinov2-small",
+    "facebook/dinov2-base",
+    "facebook/dinov2-large",
+    "facebook/dinov2-giant",
+    "facebook/dinov2-with-registers-small",
+    "facebook/dinov2-with-registers-base",
+    "facebook/dinov3-vits16-pretrain-lvd1689m",
+    "google/vit-base-patch16-224-in21k",
+    "openai/clip-vit-base-patch32",
+    "openai/clip-vit-base-patch16",
+    "google/siglip-base-patch16-224",
+)
+HUB_ID_SHAPE = "hub ids look like 'owner/name', e.g. 'facebook/dinov2-small'"
+
+
+def _candidates(text: str) -> list[str]:
+    """Names a mistyped model reference may have meant: ``embedded``, the known hub ids, the hub ids in the
+    local cache, and sibling folders holding a config.json."""
+    # a well-formed hub id that is not cached may be right: only the cache's own ids are near misses then
+    names = (
+        [] if text.count("/") == 1 and not text.startswith((".", "/", "~")) else ["embedded", *KNOWN_HUB_IDS]
+    )
+    try:
+        from huggingface_hub import constants
+
+        hub = Path(constants.HF_HUB_CACHE)
+        names += [d.name[len("models--") :].replace("--", "/") for d in hub.glob("models--*")]
+    except Exception:  # the cache is a hint only: unreadable means no cached suggestions
+        pass
+    path = Path(text).expanduser()
+    parent = path.parent if str(path.parent) not in ("", ".") or "/" in text else Path(".")
+    try:
+        for sibling in parent.iterdir():
+            if (sibling / "config.json").is_file():
+                names.append(str(sibling) if "/" in text else sibling.name)
+    except OSError:
+        pass
+    return list(dict.fromkeys(names))
+
+
+def _suggest(text: str) -> str:
+    """``"; did you mean 'embedded'?"`` for a near miss, else ``""``."""
+    import difflib
+
+    names = [name for name in _candidates(text) if name != text]
+    close = difflib.get_close_matches(text, names, n=1, cutoff=0.75)
+    if not close and "/" not in text:  # a bare repository name: compare with the names after the owner
+        tails = {name.rsplit("/", 1)[-1]: name for name in names if "/" in name}
+        tail = difflib.get_close_matches(text, list(tails), n=1, cutoff=0.75)
+        close = [tails[tail[0]]] if tail else []
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _resolve_hub(repo_id: str, *, allow_download: bool) -> ResolvedCheckpoint:
@@ -67,6 +126,11 @@ def _resolve_hub(repo_id: str, *, allow_download: bool) -> ResolvedCheckpoint:
             local_files_only=offline,
         )
     except Exception as exc:  # the hub client raises many types for "not here / not reachable"
+        if "/" not in repo_id:  # not a hub id at all: no download can help
+            raise ModelNotFoundError(
+                f"model {repo_id!r} is not 'embedded', a local checkpoint folder or a hub id "
+                f"({HUB_ID_SHAPE}){_suggest(repo_id)}"
+            ) from exc
         how = (
             "the hub is unreachable or offline mode is on (HF_HUB_OFFLINE)"
             if offline or "connect" in str(exc).lower() or "resolve" in str(exc).lower()
@@ -76,7 +140,7 @@ def _resolve_hub(repo_id: str, *, allow_download: bool) -> ResolvedCheckpoint:
             f"model {repo_id!r} is not a local folder and is not in the local Hugging Face cache ({how}). "
             f"Get it where the network allows with `hf download {repo_id}` (then copy the cache folder, "
             f"or set HF_HOME to it), or pass the path of a local checkpoint folder; "
-            f"'embedded' needs no download from the hub."
+            f"'embedded' needs no download from the hub{_suggest(repo_id)}"
         ) from exc
     path = Path(folder)
     return ResolvedCheckpoint(path, repo_id, path.name, "hub")

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from vit_backbone.architectures import (
     STANDARD_ARCHS,
@@ -48,19 +48,11 @@ from vitembed.cli.index import (
     run_index,
     run_search,
 )
+from vitembed.cli.parser import Parser, UsageError
 from vitembed.cli.serve import SettingsError, configure_serve, run_serve
 
 PROG = "vitembed"
 EXIT_USAGE = 2  # bad arguments, unknown model, invalid size: the user's input, not a crash
-
-
-class _UsageError(Exception):
-    """argparse's complaint, as one line instead of usage + exit."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: error: {message}")
 
 
 @dataclass(frozen=True)
@@ -300,7 +292,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Pretrained ViT-family backbone features: library, CLI, service.")
+    parser = Parser(prog=PROG, description="Pretrained ViT-family backbone features: library, CLI, service.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():
         command.configure(commands.add_parser(name, help=command.help, description=command.help))
@@ -325,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
+    except UsageError as exc:
+        if exc.usage and "unrecognized arguments" in str(exc):  # which options the subcommand does take
+            print(exc.usage, file=sys.stderr)
         print(exc, file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as exc:  # --help printed its text

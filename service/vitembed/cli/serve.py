@@ -9,7 +9,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from vit_backbone.errors import MissingExtraError, ModelLoadError, VitEmbedError
+from vit_backbone.errors import MissingExtraError, VitEmbedError
 from vitembed.settings_error import SettingsError as SettingsError  # re-exported: it lived here
 
 # flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
@@ -103,17 +103,16 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _preflight_models(settings: Any) -> None:
-    """Every served model's config.json is usable (read from its files, no weights loaded); a model that
-    cannot be found is left to the engine, which reports it at start-up."""
+    """Every served model resolves (a folder, a cached hub id or ``embedded``) and its config.json is usable,
+    read from its files with no weights loaded: a typo stops start-up in one line (exit status 2) instead of
+    a traceback from inside the server's start-up."""
     from vit_backbone.checkpoint import checkpoint_facts
 
     for name, target in settings.models.items():
         try:
             checkpoint_facts(target, settings.cache_dir)
-        except ModelLoadError as exc:
-            raise SettingsError(f"model {name!r}: {exc}") from exc
-        except VitEmbedError:
-            continue
+        except VitEmbedError as exc:
+            raise SettingsError(f"--model {name}={target}: {exc}") from exc
 
 
 def run_serve(args: argparse.Namespace) -> int:
