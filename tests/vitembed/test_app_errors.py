@@ -3,6 +3,7 @@ next good request is answered at once."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Callable
@@ -178,6 +179,31 @@ async def test_image_item_of_the_wrong_shape(server: Server, err: Err) -> None:
     }
 
 
+async def test_a_bare_base64_string_gets_the_expected_shape(server: Server, images: Images, err: Err) -> None:
+    encoded = base64.b64encode(images.jpeg()).decode()
+    response = await server.client.post("/v1/embed", json={"images": [encoded]})
+    assert response.status_code == 422
+    assert err(response) == {
+        "code": "invalid_request",
+        "message": 'images[0] must be an object {"base64": "<encoded image>"}, not a string: '
+        'send {"images": [{"base64": "..."}]}',
+        "index": 0,
+    }
+    assert "ImageIn" not in response.text
+
+
+async def test_a_file_part_says_images_go_in_parts_named_image(
+    server: Server, images: Images, err: Err
+) -> None:
+    response = await server.client.post("/v1/embed", files={"file": images.jpeg()})
+    assert response.status_code == 422
+    assert err(response) == {
+        "code": "invalid_request",
+        "message": f"unknown form field 'file': images go in parts named 'image' (curl -F image=@photo.jpg); "
+        f"options: {OPTIONS}",
+    }
+
+
 async def test_unknown_model(server: Server, images: Images, err: Err) -> None:
     response = await server.client.post("/v1/embed", files={"image": images.jpeg()}, data={"model": "nope"})
     assert response.status_code == 404
@@ -231,7 +257,8 @@ async def test_size_not_a_multiple_of_the_patch(server: Server, images: Images, 
         ({"normalize": "maybe"}, "normalize: Input should be a valid boolean, unable to interpret input"),
         (
             {"bogus": "1"},
-            f"unknown form field 'bogus'; options: {OPTIONS}",
+            f"unknown form field 'bogus': images go in parts named 'image' (curl -F image=@photo.jpg); "
+            f"options: {OPTIONS}",
         ),
     ],
 )

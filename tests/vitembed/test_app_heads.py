@@ -315,7 +315,8 @@ async def test_refusals_have_exact_bodies(
             422,
             {
                 "code": "invalid_request",
-                "message": "unknown form field 'pooling'; options: head, top_k, upsample, upsample_mode",
+                "message": "unknown form field 'pooling': images go in parts named 'image' "
+                "(curl -F image=@photo.jpg); options: head, top_k, upsample, upsample_mode",
             },
         ),
         (

@@ -254,7 +254,8 @@ async def test_error_bodies(search_server: Server, err: Any, images: Images, pho
             422,
             {
                 "code": "invalid_request",
-                "message": "unknown form field 'model'; options: index, k, where, nprobes, threshold",
+                "message": "unknown form field 'model': images go in parts named 'image' "
+                "(curl -F image=@photo.jpg); options: index, k, where, nprobes, threshold",
             },
         ),
         (

@@ -115,12 +115,26 @@ def parse_embed_json(
         )
     decoded: list[bytes] = []
     for index, item in enumerate(images):
+        if not isinstance(item, dict):  # a bare string or number: say the shape, not a schema class name
+            raise ApiError(
+                422,
+                "invalid_request",
+                f'images[{index}] must be an object {{"base64": "<encoded image>"}}, not a '
+                f'{_json_kind(item)}: send {{"images": [{{"base64": "..."}}]}}',
+                index=index,
+            )
         try:
             image = ImageIn.model_validate(item)
         except ValidationError as exc:
             raise validation_error(exc, index=index) from exc
         decoded.append(decode_base64(strip_data_prefix(image.base64), index))
     return decoded, payload
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's type (string, number, list, null...)."""
+    kinds = {str: "string", bool: "boolean", int: "number", float: "number", list: "list"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def strip_data_prefix(text: str) -> str:
@@ -206,7 +220,8 @@ def parse_multipart(
             raise ApiError(
                 422,
                 "invalid_request",
-                f"unknown form field {name[:64]!r}; options: {', '.join(option_names)}",
+                f"unknown form field {name[:64]!r}: images go in parts named 'image' "
+                f"(curl -F image=@photo.jpg); options: {', '.join(option_names)}",
             )
         if name in fields:
             raise ApiError(422, "invalid_request", f"the option {name!r} is given twice")
