@@ -298,7 +298,11 @@ async def test_page_and_auth(serve: OpenServer, images: Images, err: Any) -> Non
             and "script-src 'self'" in policy
         )
         assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
-        for asset, kind in (("explore.js", "text/javascript"), ("explore.css", "text/css")):
+        for asset, kind in (
+            ("explore.js", "text/javascript"),
+            ("explore_draw.js", "text/javascript"),
+            ("explore.css", "text/css"),
+        ):
             response = await get(f"/explore/assets/{asset}")
             assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
             assert "http://" not in response.text and "https://" not in response.text
