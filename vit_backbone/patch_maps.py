@@ -4,7 +4,9 @@
 tokens, each scaled to [0, 1] and shown as RGB. With ``background_threshold`` the first component of all
 patches separates foreground from background first (patches whose min-max scaled first component exceeds
 the threshold are kept), and the three components are then computed on the kept patches only, the others
-shown black.
+shown black. With ``valid`` (a pad letterbox's ``Prepared.valid``: the image fraction of each patch), only
+the patches that hold image take part: the letterbox is tokens spent on nothing, and letting it into the
+components would spend a colour on it; those patches are shown black too.
 
 Sign conventions (a principal direction's sign is arbitrary; these make it a function of the data, so a
 direction gets the same colour in every image that has it):
@@ -12,8 +14,8 @@ direction gets the same colour in every image that has it):
 * every component is oriented so that its largest-magnitude loading (the feature channel that weighs most)
   is positive (scikit-learn's ``svd_flip`` rule on the components);
 * the first component used for background removal is then oriented so that the patches on the image's
-  border have the lower mean (the border is background far more often than not), so "foreground" is the
-  high side whatever the loadings say.
+  border (the outer ring of the patches that hold image) have the lower mean (the border is background
+  far more often than not), so "foreground" is the high side whatever the loadings say.
 
 ``patch_similarity`` is dense correspondence: the cosine of one query patch token with every patch token of
 another image. ``model_view`` undoes the processor's rescale and normalisation so a person sees the pixels
@@ -38,8 +40,8 @@ _EPS = 1e-12
 @dataclass(frozen=True)
 class PcaMap:
     rgb: np.ndarray  # [h, w, 3] float32 in [0, 1]; background patches 0
-    first: np.ndarray  # [h, w] float32 in [0, 1]: first component of all patches, border side low
-    foreground: np.ndarray  # [h, w] bool: patches kept (all of them without a threshold)
+    first: np.ndarray  # [h, w] float32 in [0, 1]: first component of the image's patches, border side low
+    foreground: np.ndarray  # [h, w] bool: patches kept (all that hold image without a threshold)
     explained: tuple[float, ...]  # variance share of each of the 3 components (of the patches they used)
     threshold: float | None
 
@@ -79,26 +81,55 @@ def _unit_scale(values: np.ndarray) -> np.ndarray:
     return np.where(span > _EPS, (values - low) / np.where(span > _EPS, span, 1.0), 0.0)
 
 
+def _image_patches(valid: np.ndarray | None, h: int, w: int) -> np.ndarray:
+    """[h, w] bool: the patches that hold any image (all of them without ``valid``)."""
+    if valid is None:
+        return np.ones((h, w), dtype=bool)
+    coverage = np.asarray(valid)
+    if coverage.shape != (h, w):
+        raise InvalidOptionError(f"valid must be the patch grid's shape {[h, w]}, got {list(coverage.shape)}")
+    holds = coverage > 0
+    if not holds.any():
+        raise InvalidOptionError("no patch holds image (valid is all zero)")
+    return holds
+
+
+def _ring(holds: np.ndarray) -> np.ndarray:
+    """[h, w] bool: the outer ring of the bounding box of the patches that hold image."""
+    rows, cols = np.nonzero(holds)
+    top, bottom, left, right = rows.min(), rows.max(), cols.min(), cols.max()
+    ring = np.zeros_like(holds)
+    ring[top : bottom + 1, left : right + 1] = True
+    if bottom - top > 1 and right - left > 1:
+        ring[top + 1 : bottom, left + 1 : right] = False
+    return ring & holds
+
+
 def patch_pca(
-    patches: np.ndarray, *, background_threshold: float | None = None, components: int = PCA_COMPONENTS
+    patches: np.ndarray,
+    *,
+    background_threshold: float | None = None,
+    components: int = PCA_COMPONENTS,
+    valid: np.ndarray | None = None,
 ) -> PcaMap:
-    """The PCA map of one image's patch tokens ``patches`` [h, w, D] (see the module docstring)."""
+    """The PCA map of one image's patch tokens ``patches`` [h, w, D]; ``valid`` [h, w]: the image fraction
+    of each patch (patches without image are left out and shown black). See the module docstring."""
     grid = _check_grid(patches, "patches")
     if background_threshold is not None and not 0.0 <= background_threshold <= 1.0:
         raise InvalidOptionError(f"background_threshold must be in [0, 1], got {background_threshold}")
     h, w, dim = grid.shape
+    holds = _image_patches(valid, h, w)  # [h, w]
     x = grid.reshape(h * w, dim)  # [N, D]
-    mean, basis, explained = _components(x, components)
+    image_rows = holds.reshape(-1)
+    mean, basis, explained = _components(x[image_rows], components)
     first = ((x - mean) @ basis[0]).reshape(h, w)  # [h, w]
-    border = np.ones((h, w), dtype=bool)
-    if h > 2 and w > 2:
-        border[1:-1, 1:-1] = False
-    if first[border].mean() > first.mean():
+    if first[_ring(holds)].mean() > first[holds].mean():
         first = -first
-    first01 = _unit_scale(first.reshape(-1, 1)).reshape(h, w)
-    keep = np.ones((h, w), dtype=bool)
+    first01 = np.zeros((h, w))
+    first01[holds] = _unit_scale(first[holds].reshape(-1, 1))[:, 0]
+    keep = holds
     if background_threshold is not None:
-        keep = first01 > background_threshold
+        keep = holds & (first01 > background_threshold)
         kept = x[keep.reshape(-1)]  # [n_fg, D]
         if len(kept) >= 2:
             mean, basis, explained = _components(kept, components)

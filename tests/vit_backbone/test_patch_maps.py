@@ -83,6 +83,32 @@ def test_background_removal_thresholds_the_first_component(tokens: dict[str, np.
     assert (result.rgb[~keep] == 0).all()
 
 
+def test_the_letterbox_is_left_out_of_the_components(
+    tiny_checkpoints: dict[str, Path], sample_images: list[Any]
+) -> None:
+    """pad's letterbox patches (``Prepared.valid`` 0) take no part: the map equals numpy on the patches that
+    hold image, the letterbox is black and outside the foreground, and an all-ones ``valid`` changes
+    nothing."""
+    backbone = load_backbone(tiny_checkpoints["dinov2"])
+    coffee = sample_images[1]  # 600 x 400: a square box letterboxes it above and below
+    grid = backbone.embed(coffee, pooling="patch", layers=[0], policy="pad", size=(112, 112))[0]  # [8, 8, 32]
+    valid = backbone.prepare(coffee, policy="pad", size=(112, 112))[0].valid
+    assert valid is not None
+    holds = valid > 0
+    assert 0 < holds.sum() < holds.size
+    result = patch_pca(grid, valid=valid)
+    np.testing.assert_allclose(result.rgb, numpy_pca_rgb(grid, holds), atol=TOL)
+    assert (result.rgb[~holds] == 0).all() and (result.foreground == holds).all()
+    assert (result.first[~holds] == 0).all() and result.first[holds].max() == 1
+    thresholded = patch_pca(grid, valid=valid, background_threshold=0.3)
+    assert not thresholded.foreground[~holds].any() and thresholded.foreground.sum() < holds.sum()
+    np.testing.assert_allclose(patch_pca(grid, valid=np.ones(grid.shape[:2])).rgb, patch_pca(grid).rgb)
+    with pytest.raises(InvalidOptionError, match="shape"):
+        patch_pca(grid, valid=valid[:-1])
+    with pytest.raises(InvalidOptionError, match="no patch holds image"):
+        patch_pca(grid, valid=np.zeros(grid.shape[:2]))
+
+
 def test_patch_similarity_equals_numpy_cosines(tokens: dict[str, np.ndarray]) -> None:
     query, target = tokens["astronaut"], tokens["coffee"]
     got = patch_similarity(query, 3, 5, target)

@@ -30,14 +30,18 @@ pytestmark = pytest.mark.anyio
 TOL = 1e-4  # the API rounds to 6 decimals; the numpy recipe runs in float64 on float32 tokens
 
 
-def numpy_pca(tokens: np.ndarray) -> np.ndarray:
+def numpy_pca(tokens: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """On the patches that hold image (pad's letterbox left out, black)."""
     h, w, d = tokens.shape
-    x = tokens.reshape(-1, d).astype(np.float64)
+    holds = np.ones(h * w, bool) if valid is None else valid.reshape(-1) > 0
+    x = tokens.reshape(-1, d).astype(np.float64)[holds]
     centred = x - x.mean(0)
     vt = np.linalg.svd(centred, full_matrices=False)[2][:3]
     vt = vt * np.sign(vt[np.arange(3), np.argmax(np.abs(vt), axis=1)])[:, None]
     p = centred @ vt.T
-    return ((p - p.min(0)) / (p.max(0) - p.min(0))).reshape(h, w, 3)
+    out = np.zeros((h * w, 3))
+    out[holds] = (p - p.min(0)) / (p.max(0) - p.min(0))
+    return out.reshape(h, w, 3)
 
 
 def png_pixels(encoded: dict[str, Any]) -> np.ndarray:
@@ -121,7 +125,11 @@ async def test_patch_features_equal_the_library(
             prepared = reference.prepare(photo, policy=policy, size=size)[0]
             assert body["grid"] == list(tokens.shape[:2]) == list(prepared.grid)
             assert body["layer"] == block and body["policy"] == policy and body["model"] == "tiny"
-            np.testing.assert_allclose(np.array(body["pca"]["rgb"]), numpy_pca(tokens), atol=TOL)
+            expected = numpy_pca(tokens, prepared.valid)
+            np.testing.assert_allclose(np.array(body["pca"]["rgb"]), expected, atol=TOL)
+            if policy == "pad":  # a 150 x 90 photo in a square: letterbox columns, left out and black
+                assert prepared.valid is not None and (prepared.valid == 0).any()
+                assert not np.array(body["pca"]["foreground"])[prepared.valid == 0].any()
             view = png_pixels(body["view"])
             height, width = prepared.pixel_values.shape[1:]
             assert list(view.shape) == [height, width, 3] == [*body["size"], 3]

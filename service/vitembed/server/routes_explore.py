@@ -6,7 +6,7 @@ ordinary ``/v1`` endpoints with the same auth, limits and error answers as the r
 
 * ``POST /v1/patch-features``: one image → the pixels the model sees under a policy and size (PNG), the
   patch grid, the cost of that size (what ``vitembed inspect`` computes) and the PCA map of one block's
-  patch tokens (``vit_backbone.patch_maps.patch_pca``);
+  patch tokens that hold image (``vit_backbone.patch_maps.patch_pca``; pad's letterbox left out);
 * ``POST /v1/patch-similarity``: one query image, a patch of it, and an item of a served index → the cosine
   of that patch token with every patch token of the item's image (``patch_similarity``), the item's image
   recomputed through the same engine with the same options;
@@ -162,8 +162,12 @@ class PcaOut(BaseModel):
     rgb: list[list[list[float]]] = Field(
         description="[h][w][3] in [0, 1]: components 1-3 as red, green, blue"
     )
-    first: list[list[float]] = Field(description="[h][w] first component of all patches, scaled to [0, 1]")
-    foreground: list[list[bool]]
+    first: list[list[float]] = Field(
+        description="[h][w] first component of the patches that hold image, scaled to [0, 1] (letterbox 0)"
+    )
+    foreground: list[list[bool]] = Field(
+        description="[h][w] the patches in the map: those holding image (above the threshold if one is given)"
+    )
     explained: list[float] = Field(description="variance share of each component")
     threshold: float | None
 
@@ -308,7 +312,7 @@ async def patch_features(request: Request, engine: EngineDep, settings: Settings
     backbone = engine.backbone(model)
 
     def compute() -> dict[str, Any]:
-        pca = patch_pca(tokens, background_threshold=options.background_threshold)
+        pca = patch_pca(tokens, background_threshold=options.background_threshold, valid=prepared.valid)
         view = model_view(prepared.pixel_values.numpy(), backbone.preprocess_config)  # [H, W, 3]
         height, width = view.shape[:2]
         cost = cost_report(arch_from_hf_config(backbone.config), height, width, params=backbone.info().params)

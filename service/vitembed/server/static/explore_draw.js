@@ -90,7 +90,8 @@ export function drawPca(f) {
   const share = f.pca.explained.map((e) => `${(100 * e).toFixed(1)}%`).join(", ");
   const kept = f.pca.foreground.flat().filter(Boolean).length;
   const total = f.grid[0] * f.grid[1];
-  const bg = f.pca.threshold === null ? "all patches" : `${kept} of ${total} patches kept as foreground (threshold ${f.pca.threshold.toFixed(2)}; background black)`;
+  let bg = kept === total ? "all patches" : `the ${kept} of ${total} patches that hold image (the letterbox, black, is left out)`;
+  if (f.pca.threshold !== null) bg = `${kept} of ${total} patches kept as foreground (threshold ${f.pca.threshold.toFixed(2)}; background and letterbox black)`;
   $("pca-caption").textContent = `Block ${f.layer} of ${f.model}; red, green, blue = components 1, 2, 3, explaining ${share} of the variance; ${bg}.`;
 }
 
