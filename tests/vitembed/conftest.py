@@ -36,6 +36,7 @@ class Server:
     client: httpx.AsyncClient
     app: Any  # the ASGI app with its lifespan state (LifespanManager.app)
     settings: ServiceSettings
+    state: Any = None  # the app's state: its engine, metrics, served indexes
 
     async def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
@@ -76,7 +77,7 @@ def serve(tiny_path: Path) -> OpenServer:
                 transport=httpx.ASGITransport(app=manager.app), base_url="http://test"
             ) as client,
         ):
-            yield Server(client, manager.app, settings)
+            yield Server(client, manager.app, settings, app.state)
 
     return open_server
 

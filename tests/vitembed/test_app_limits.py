@@ -1,12 +1,15 @@
 """Limits and admission at the HTTP edge: body size, image count, auth, queue full, deadline, readiness,
-and a disconnected client's queued work being dropped."""
+and a disconnected client's queued work being dropped.
+
+Event-ordered: where a request must be waiting while another arrives, the engine's forward pass is paused
+(``paused_forward``: it says when a pass has begun and waits until the test releases it), never a sleep."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,32 @@ if TYPE_CHECKING:  # fixtures' types (tests/service/conftest.py)
 
 pytestmark = pytest.mark.anyio
 Err = Callable[[httpx.Response], dict[str, Any]]
+
+
+class PausedForward:
+    """The engine's forward passes wait until ``release`` is set; ``entered`` is set when one begins."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 30), "no forward pass began"
+
+
+@pytest.fixture
+def paused_forward(monkeypatch: pytest.MonkeyPatch) -> Iterator[PausedForward]:
+    paused = PausedForward()
+    forward = Engine._forward
+
+    def wait_then_forward(self: Engine, backbone: Any, items: Any) -> Any:
+        paused.entered.set()
+        paused.release.wait(30)
+        return forward(self, backbone, items)
+
+    monkeypatch.setattr(Engine, "_forward", wait_then_forward)  # before the engine starts: it binds it
+    yield paused
+    paused.release.set()  # never leave a forward thread waiting
 
 
 async def test_body_over_the_limit_by_content_length_and_chunked(
@@ -94,12 +123,12 @@ async def test_bearer_auth_on_v1_only(serve: OpenServer, images: Images, err: Er
 
 
 async def test_queue_full_is_429_with_retry_after_and_the_server_stays_ready(
-    serve: OpenServer, images: Images, err: Err
+    serve: OpenServer, images: Images, err: Err, paused_forward: PausedForward
 ) -> None:
-    async with serve(queue_size=1, max_images_per_request=1, max_wait_ms=800) as server:
+    async with serve(queue_size=1, max_images_per_request=1) as server:
         data = images.jpeg(60, 60, 2)
         first = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": data}))
-        await asyncio.sleep(0.3)  # the first image waits in the queue for its batch to fill
+        await paused_forward.wait_entered()  # the first image is in its forward pass: it holds the one place
         refused = await server.client.post("/v1/embed", files={"image": data})
         assert refused.status_code == 429, refused.text
         retry_after = refused.headers["retry-after"]
@@ -109,6 +138,8 @@ async def test_queue_full_is_429_with_retry_after_and_the_server_stays_ready(
             "message": f"the server is at capacity; retry in {retry_after} s",
         }
         assert (await server.client.get("/ready")).status_code == 200
+        assert not first.done()
+        paused_forward.release.set()
         assert (await first).status_code == 200
         assert (await server.client.post("/v1/embed", files={"image": data})).status_code == 200
         assert await server.metric("vitembed_rejected_total", reason="queue_full") == 1
@@ -149,13 +180,18 @@ async def test_not_ready_until_the_engine_has_started(tiny_path: Path, err: Err,
         assert (await client.get("/ready")).status_code == 503  # a stopped engine is not ready
 
 
-async def test_a_disconnected_clients_queued_work_is_dropped(serve: OpenServer, images: Images) -> None:
-    """Raw ASGI: the client sends its body, then leaves while its image waits for a batch (max_wait 1.5 s);
-    the app answers at once and the batcher drops the item instead of running a forward pass for it."""
-    async with serve(max_wait_ms=1500) as server:
+async def test_a_disconnected_clients_queued_work_is_dropped(
+    serve: OpenServer, images: Images, paused_forward: PausedForward
+) -> None:
+    """Raw ASGI: while another request's forward pass holds the forward thread, the client sends its body,
+    its image is queued, and it leaves; the app answers 499 at once (the pass is still paused) and the
+    batcher drops the image instead of running a forward pass for it."""
+    async with serve() as server:
+        registry = server.state.metrics.registry
+        blocker = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": images.jpeg()}))
+        await paused_forward.wait_entered()
         request = server.client.build_request("POST", "http://test/v1/embed", files={"image": images.jpeg()})
         body = request.read()
-        leave_at = time.monotonic() + 0.2
         body_sent = False
         sent: list[dict[str, Any]] = []
 
@@ -164,8 +200,8 @@ async def test_a_disconnected_clients_queued_work_is_dropped(serve: OpenServer, 
             if not body_sent:
                 body_sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            if time.monotonic() >= leave_at:
-                return {"type": "http.disconnect"}
+            if registry.get_sample_value("vitembed_queue_depth", {"model": "tiny"}) == 1:
+                return {"type": "http.disconnect"}  # the client leaves once its image is queued
             await asyncio.sleep(3600)  # interrupted by the app's non-blocking disconnect checks
             raise AssertionError("unreachable")
 
@@ -186,18 +222,16 @@ async def test_a_disconnected_clients_queued_work_is_dropped(serve: OpenServer, 
             "client": ("127.0.0.1", 5000),
             "server": ("test", 80),
         }
-        started = time.monotonic()
-        await server.app(scope, receive, send)
-        assert time.monotonic() - started < 1.0  # did not wait for the batch
+        await asyncio.wait_for(server.app(scope, receive, send), timeout=30)
+        assert not blocker.done()  # answered while the forward thread was still held: no wait for a pass
         assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
         assert json.loads(sent[1]["body"])["error"]["code"] == "client_closed_request"
 
-        for _ in range(60):  # the batcher notices at its next wake-up (the 1.5 s batch timer)
-            if await server.metric("vitembed_rejected_total", reason="cancelled") == 1:
-                break
-            await asyncio.sleep(0.1)
-        assert await server.metric("vitembed_rejected_total", reason="cancelled") == 1
-        assert await server.metric("vitembed_forward_passes_total") == 0
-        assert await server.metric("vitembed_requests_total", route="/v1/embed", status="499") == 1
+        paused_forward.release.set()
+        assert (await blocker).status_code == 200
+        # a request after it: the batcher drops the cancelled image before it forms this one's batch
         after = await server.client.post("/v1/embed", files={"image": images.jpeg()})
         assert after.status_code == 200
+        assert await server.metric("vitembed_rejected_total", reason="cancelled") == 1
+        assert await server.metric("vitembed_forward_passes_total") == 2  # the blocker's and the last one's
+        assert await server.metric("vitembed_requests_total", route="/v1/embed", status="499") == 1

@@ -1,5 +1,10 @@
 """The dynamic batcher on its own: batch formation, the admission state it keeps exact (reserved, running,
-dropped images), cancellation, failure isolation."""
+dropped images), cancellation, failure isolation.
+
+Event-ordered, never sleep-ordered: the forward pass is a ``Recorder`` that says when it has been entered
+and waits at a gate the test opens; time is a ``FakeClock`` the batcher is given, which the test (or the
+recorder, for the length of a pass) moves, so queue waits, deadlines and pass timings are what the test
+says, however slow the machine."""
 
 from __future__ import annotations
 
@@ -35,27 +40,51 @@ def item(
     return WorkItem(prepared, key, tokens=grid[0] * grid[1] + 1, ticket=ticket, reservation=reservation)
 
 
-class Recorder:
-    """Returns each item's pixel value as its row, and records the batches it saw."""
+class FakeClock:
+    """The batcher's clock: it moves only when told to."""
 
-    def __init__(self, delay: float = 0.0, fail_on: float | None = None) -> None:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Recorder:
+    """Returns each item's pixel value as its row, and records the batches it saw. ``entered`` is set when
+    a pass begins, before it waits at ``gate``; a pass lasts ``delay`` on ``clock`` (real time without)."""
+
+    def __init__(
+        self, delay: float = 0.0, fail_on: float | None = None, clock: FakeClock | None = None
+    ) -> None:
         self.batches: list[list[float]] = []
         self.delay = delay
         self.fail_on = fail_on
+        self.clock = clock
+        self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
 
     def __call__(self, items: Sequence[WorkItem]) -> np.ndarray:
-        self.gate.wait(5)
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
         values = [float(i.prepared.pixel_values[0, 0, 0]) for i in items]
         self.batches.append(values)
-        time.sleep(self.delay)
+        if self.clock is not None:
+            self.clock.advance(self.delay)
+        else:
+            time.sleep(self.delay)
         if self.fail_on is not None and self.fail_on in values:
             raise RuntimeError("boom")
         return np.array(values, dtype=np.float32)[:, None]
 
 
-def make(run: Recorder, load: ModelLoad | None = None, **kwargs: float) -> DynamicBatcher:
+def make(
+    run: Recorder, load: ModelLoad | None = None, clock: FakeClock | None = None, **kwargs: float
+) -> DynamicBatcher:
     options = {"max_batch_size": 4, "max_batch_tokens": 10_000, "max_wait_s": 0.05, **kwargs}
     return DynamicBatcher(
         "t",
@@ -64,23 +93,26 @@ def make(run: Recorder, load: ModelLoad | None = None, **kwargs: float) -> Dynam
         max_batch_size=int(options["max_batch_size"]),
         max_batch_tokens=int(options["max_batch_tokens"]),
         max_wait_s=float(options["max_wait_s"]),
+        clock=clock or time.monotonic,
     )
 
 
 def test_concurrent_items_share_batches_up_to_the_size_limit() -> None:
+    clock = FakeClock()  # stands still: no batch closes on its timer until the clock is moved
     run = Recorder()
-    run.gate.clear()  # hold the forward thread so that everything queues first
-    batcher = make(run)
-    ticket = RequestTicket(time.monotonic() + 10)
+    run.gate.clear()
+    batcher = make(run, clock=clock)
+    ticket = RequestTicket(clock.now + 10)
     items = [item(float(i), ticket) for i in range(10)]
-    for it in items:
+    for it in items:  # one request after another
         batcher.submit([it])
+    assert run.entered.wait(5)  # the first four filled a batch; the other six wait behind it
+    clock.advance(1.0)  # past max_wait_s: the last two close a batch of their own
     run.gate.set()
     results = [float(it.future.result(5)[0]) for it in items]
     batcher.stop()
     assert results == [float(i) for i in range(10)]
-    assert [len(b) for b in run.batches] in ([1, 4, 4, 1], [4, 4, 2])
-    assert sorted(v for b in run.batches for v in b) == results
+    assert run.batches == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
 
 
 def test_token_budget_and_keys_split_batches() -> None:
@@ -109,19 +141,18 @@ def test_the_batcher_keeps_the_admission_state_exact() -> None:
     they leave the reserved work when their pass starts, and the pass feeds the throughput estimate."""
     control = AdmissionControl(capacity=4, target_s=10.0)
     load = control.model("t")
-    run = Recorder(delay=0.05)
+    clock = FakeClock()
+    run = Recorder(delay=0.05, clock=clock)  # each pass takes 0.05 s on the batcher's clock
     run.gate.clear()
-    batcher = make(run, load, max_batch_size=2, max_wait_s=0.0)
-    ticket = RequestTicket(time.monotonic() + 10)
-    gone = RequestTicket(time.monotonic() + 10)
+    batcher = make(run, load, clock, max_batch_size=2, max_wait_s=0.0)
+    ticket = RequestTicket(clock.now + 10)
+    gone = RequestTicket(clock.now + 10)
     kept = load.admit(3, 5, deadline_left_s=10.0)
     dropped = load.admit(1, 5, deadline_left_s=10.0)
     assert (control.held, load.reserved_images) == (4, 4)
     items = [item(float(i), ticket, reservation=kept) for i in range(3)]
     batcher.submit(items)
-    deadline = time.monotonic() + 5
-    while load.reserved_images != 2 and time.monotonic() < deadline:  # the first batch of two has begun
-        time.sleep(0.005)
+    assert run.entered.wait(5)  # the first batch of two has begun ...
     assert (control.held, load.reserved_images) == (4, 2)  # ... and waits at the gate
     batcher.submit([item(9.0, gone, reservation=dropped)])
     gone.cancel()
@@ -130,25 +161,25 @@ def test_the_batcher_keeps_the_admission_state_exact() -> None:
     batcher.stop()
     assert (control.held, load.reserved_images, kept.remaining, dropped.remaining) == (0, 0, 0, 0)
     assert [v for b in run.batches for v in b] == [0.0, 1.0, 2.0]
-    per_image = load.estimate.per_image_s(5)
-    assert per_image is not None and 0.02 < per_image < 1.0  # two passes of ~0.05 s for 3 images
+    assert load.estimate.per_image_s(5) == pytest.approx(0.1 / 3)  # two passes of 0.05 s for 3 images
 
 
 def test_cancelled_and_expired_items_never_reach_a_forward_pass() -> None:
+    clock = FakeClock()
     run = Recorder()
     run.gate.clear()
-    batcher = make(run, max_batch_size=1)
-    blocker = item(0.0, RequestTicket(time.monotonic() + 10))
+    batcher = make(run, clock=clock, max_batch_size=1)
+    blocker = item(0.0, RequestTicket(clock.now + 100))
     batcher.submit([blocker])
-    time.sleep(0.1)  # the forward thread now holds the blocker
-    gone = RequestTicket(time.monotonic() + 10)
-    late = RequestTicket(time.monotonic() + 0.05)
+    assert run.entered.wait(5)  # the forward thread now holds the blocker
+    gone = RequestTicket(clock.now + 100)
+    late = RequestTicket(clock.now + 5)
     dropped = [item(1.0, gone), item(2.0, late)]
-    kept = item(3.0, RequestTicket(time.monotonic() + 10))
+    kept = item(3.0, RequestTicket(clock.now + 100))
     batcher.submit(dropped)
     batcher.submit([kept])
-    gone.cancel()
-    time.sleep(0.1)
+    gone.cancel()  # the client went away ...
+    clock.advance(10)  # ... and the late request's deadline passed, both while their items were queued
     run.gate.set()
     assert float(kept.future.result(5)[0]) == 3.0
     with pytest.raises(CancelledWorkError):

@@ -97,11 +97,14 @@ def test_a_rebuilt_table_is_served_without_a_restart(images: Images, tiny_path: 
     proc, url = _start(tiny_path, db, tmp_path / "serve.log")
     statuses: list[int] = []
     stop = threading.Event()
+    searching = threading.Event()  # the searcher has had three answers
 
     def keep_searching() -> None:  # a client searching all along: no 5xx, ever
         with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
             while not stop.is_set():
                 statuses.append(_top(client, photo["a2"])[0])
+                if len(statuses) >= 3:
+                    searching.set()
 
     try:
         with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
@@ -110,8 +113,7 @@ def test_a_rebuilt_table_is_served_without_a_restart(images: Images, tiny_path: 
             searcher = threading.Thread(target=keep_searching)
             searcher.start()
             try:
-                while len(statuses) < 3:
-                    time.sleep(0.01)
+                assert searching.wait(60), f"the searcher got no three answers: {statuses}"
                 _build(same_options, db)  # new rows, same embedding options
                 status, top, score = _top(client, photo["b3"])
                 assert (status, top) == (200, "b3") and score == pytest.approx(1.0, abs=1e-5)

@@ -72,7 +72,7 @@ class WorkItem:
     ticket: RequestTicket
     reservation: Reservation | None = None  # its request's admission (None only in tests of the batcher)
     future: Future[Any] = field(default_factory=Future)  # one row of what RunBatch returns
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = field(default_factory=time.monotonic)  # stamped again by the batcher's clock on submit
 
 
 RunBatch = Callable[[Sequence[WorkItem]], Sequence[Any]]  # -> b rows in item order (arrays, or tuples)
@@ -91,6 +91,9 @@ class DynamicBatcher:
         on_batch: Callable[[int, float, float], None] | None = None,  # (size, queue_wait_s, forward_s)
         on_depth: Callable[[int], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
+        clock: Callable[
+            [], float
+        ] = time.monotonic,  # queue waits, deadlines, pass timings (tests inject one)
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0:
             raise ValueError("max_batch_size and max_batch_tokens must be ≥ 1 and max_wait_s ≥ 0")
@@ -103,6 +106,7 @@ class DynamicBatcher:
         self._on_batch = on_batch
         self._on_depth = on_depth
         self._on_drop = on_drop
+        self._clock = clock
         self._queues: dict[BatchKey, deque[WorkItem]] = {}
         self._depth = 0
         self._cond = threading.Condition()
@@ -118,7 +122,9 @@ class DynamicBatcher:
         with self._cond:
             if self._stopping:
                 raise QueueFullError(retry_after_s=1.0)
+            now = self._clock()
             for item in items:
+                item.enqueued = now
                 self._queues.setdefault(item.key, deque()).append(item)
             self._depth += len(items)
             self._report_depth()
@@ -148,7 +154,7 @@ class DynamicBatcher:
                     continue
                 queue = self._queues[key]
                 limit = self._batch_limit(queue[0].tokens)
-                waited = time.monotonic() - queue[0].enqueued
+                waited = self._clock() - queue[0].enqueued
                 if len(queue) >= limit or waited >= self._max_wait_s or self._stopping:
                     batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
                     if not queue:
@@ -167,7 +173,7 @@ class DynamicBatcher:
 
     def _drop_dead_items(self) -> None:
         """Cancelled or expired items never reach a forward pass."""
-        now = time.monotonic()
+        now = self._clock()
         for key in list(self._queues):
             queue = self._queues[key]
             alive: deque[WorkItem] = deque()
@@ -198,7 +204,7 @@ class DynamicBatcher:
             self._on_drop(reason)
 
     def _run(self, batch: list[WorkItem]) -> None:
-        started = time.monotonic()
+        started = self._clock()
         queue_wait = started - min(item.enqueued for item in batch)
         tokens = batch[0].tokens  # one key per batch: every item has the same grid
         self._load.begin((item.reservation for item in batch if item.reservation is not None), tokens)
@@ -209,7 +215,7 @@ class DynamicBatcher:
         except Exception as exc:  # one bad batch fails only its own requests
             log.exception("forward pass of %d item(s) on %s failed", len(batch), self.name)
             failure = exc
-        elapsed = time.monotonic() - started
+        elapsed = self._clock() - started
         # the images leave the admission state before their requests learn the outcome
         self._load.end(tokens, len(batch), elapsed if rows is not None else None)
         if rows is not None:
