@@ -34,7 +34,7 @@ from .preprocess import (
     stack,
     stack_valid,
 )
-from .preprocess_config import nearest_multiples
+from .preprocess_config import SizeArg, nearest_multiples, square_size
 from .specs import InterpolationRule, ResampleMethod
 
 __all__ = ["Backbone", "BackboneInfo", "EmbedDefaults", "EmbedResult", "ImageInput", "LayersArg"]
@@ -303,11 +303,12 @@ class Backbone:
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        size: tuple[int, int] | None = None,
+        size: SizeArg | None = None,
         policy: ResizePolicy | None = None,
         draft: bool = True,
     ) -> list[Prepared]:
         chosen_policy = self.check_policy(policy)
+        size = square_size(size)  # one number: a square
         items = [images] if isinstance(images, Image.Image | bytes) else list(images)
         return [self.preprocessor(item, policy=chosen_policy, size=size, draft=draft) for item in items]
 
@@ -354,7 +355,7 @@ class Backbone:
         *,
         pooling: Pooling | None = None,
         layers: LayersArg = None,
-        size: tuple[int, int] | None = None,
+        size: SizeArg | None = None,
         policy: ResizePolicy | None = None,
         normalize: bool = False,
         batch_size: int = 8,
@@ -378,13 +379,14 @@ class Backbone:
         *,
         pooling: Pooling | None = None,
         layers: LayersArg = None,
-        size: tuple[int, int] | None = None,
+        size: SizeArg | None = None,
         policy: ResizePolicy | None = None,
         normalize: bool = False,
         batch_size: int = 8,
         draft: bool = True,
     ) -> EmbedResult:
         """``embed`` with the effective grid of every image and the provenance of the vectors."""
+        size = square_size(size)  # one number: a square
         chosen_policy = self.check_policy(policy)
         chosen_pooling, chosen_layers = self.choose(pooling, layers)
         prepared = self.prepare(images, size=size, policy=chosen_policy, draft=draft)

@@ -194,6 +194,16 @@ def _check_hw(
     return int(value[0]), int(value[1])
 
 
+SizeArg = int | tuple[int, int]  # one number means a square: 256 is 256x256 (CLI, HTTP and library alike)
+
+
+def square_size(size: SizeArg | None) -> tuple[int, int] | None:
+    """``256`` -> ``(256, 256)``; an (H, W) pair or None is returned as it is (checked where it is used)."""
+    if isinstance(size, bool) or not isinstance(size, int):
+        return size  # type: ignore[return-value]  # (H, W), None, or a wrong value the size check refuses
+    return (size, size)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidOptionError(message)

@@ -117,7 +117,7 @@ class Client:
                 bar.close()
 
     def classify(self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any) -> dict[str, Any]:
-        """``POST /v1/classify``: the served head's answer per image (options head, top_k, upsample,
+        """``POST /v1/classify``: the served head's answer per image (options head, k, upsample,
         upsample_mode); the JSON body as a dict (``data`` holds one entry per image, in order)."""
         body: dict[str, Any] = p.read_json(self._send(p.classify_call(p.as_image_list(images), options)))
         return body

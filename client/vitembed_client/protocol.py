@@ -22,7 +22,7 @@ NPY_MEDIA_TYPE = "application/x-npy"
 USER_AGENT = "vitembed-client/0.1.0"
 # /v1/embed options sent as form fields (embed returns one .npy array, so no encoding or heads here)
 EMBED_OPTIONS = ("model", "pooling", "layers", "size", "policy", "normalize", "dtype", "return_grid")
-CLASSIFY_OPTIONS = ("head", "top_k", "upsample", "upsample_mode")
+CLASSIFY_OPTIONS = ("head", "k", "top_k", "upsample", "upsample_mode")  # top_k: alias of k
 
 # a path (str or PathLike), encoded image bytes, or a PIL image (sent losslessly as PNG)
 ImageInput = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Any]

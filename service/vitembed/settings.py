@@ -46,7 +46,7 @@ class ServiceSettings(BaseSettings):
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
     # kept only if warm-up embeddings stay within cosine 0.999 of float32
-    device: str = "cpu"
+    device: str = "auto"  # the CLI's default everywhere (serve, embed-catalog): CUDA when available
     precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int | None = Field(None, ge=1)
 

@@ -246,7 +246,10 @@ async def test_size_not_a_multiple_of_the_patch(server: Server, images: Images, 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"size": "224"}, "size: size must be two whole numbers H,W, e.g. 224,224"),
+        (
+            {"size": "224,224,3"},
+            "size: size must be one or two whole numbers: 224 (a square) or H,W, e.g. 224,224",
+        ),
         ({"size": "a,b"}, "size: size must be whole numbers separated by commas, e.g. 224,224"),
         (
             {"layers": "last"},

@@ -113,7 +113,7 @@ async def test_classify_multipart_equals_the_python_api(
     server: Server, reference: Backbone, heads: dict[str, Head], shapes: list[bytes]
 ) -> None:
     response = await server.client.post(
-        "/v1/classify", files=[("image", d) for d in shapes], data={"head": "lin", "top_k": "2"}
+        "/v1/classify", files=[("image", d) for d in shapes], data={"head": "lin", "k": "2"}
     )
     assert response.status_code == 200, response.text
     body = response.json()
@@ -139,6 +139,33 @@ async def test_classify_multipart_equals_the_python_api(
         "policy": "crop",
         "precision": "float32",  # computed here (the test server runs float32)
         "head_precision": "float32",  # and when the head was trained
+    }
+
+
+async def test_classify_k_and_its_alias_top_k(server: Server, shapes: list[bytes], err: Any) -> None:
+    answers = []
+    for where in ("data", "params"):
+        for name in ("k", "top_k"):
+            response = await server.client.post(
+                "/v1/classify", files=[("image", d) for d in shapes], **{where: {"head": "lin", name: "1"}}
+            )
+            assert response.status_code == 200, response.text
+            answers.append([labels_of(item)[0] for item in response.json()["data"]])
+    assert all(answer == answers[0] for answer in answers) and len(answers[0][0]) == 1
+    both = await server.client.post(
+        "/v1/classify", files={"image": shapes[0]}, data={"head": "lin", "k": "1"}, params={"top_k": "2"}
+    )
+    assert both.status_code == 422
+    assert err(both) == {
+        "code": "invalid_request",
+        "message": "the option 'k' is given both in the query and the body",
+    }
+    same_place = await server.client.post(
+        "/v1/classify", files={"image": shapes[0]}, data={"head": "lin", "k": "1", "top_k": "2"}
+    )
+    assert err(same_place) == {
+        "code": "invalid_request",
+        "message": "give 'k' or its alias 'top_k', not both",
     }
 
 
@@ -316,7 +343,7 @@ async def test_refusals_have_exact_bodies(
             {
                 "code": "invalid_request",
                 "message": "unknown form field 'pooling': images go in parts named 'image' "
-                "(curl -F image=@photo.jpg); options: head, top_k, upsample, upsample_mode",
+                "(curl -F image=@photo.jpg); options: head, k, upsample, upsample_mode",
             },
         ),
         (
@@ -324,7 +351,7 @@ async def test_refusals_have_exact_bodies(
                 "/v1/classify", json={"images": [{"base64": images.b64(photos[0])}], "top_k": 0}
             ),
             422,
-            {"code": "invalid_request", "message": "top_k: Input should be greater than or equal to 1"},
+            {"code": "invalid_request", "message": "k: Input should be greater than or equal to 1"},
         ),
     ]
     for call, status, expected in cases:

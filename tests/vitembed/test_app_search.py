@@ -174,6 +174,28 @@ async def test_json_base64_and_vector_queries(
     assert body["provenance"]["precision"] is None
 
 
+async def test_top_k_is_an_alias_of_k(
+    search_server: Server, err: Any, images: Images, photos: Photos
+) -> None:
+    client = search_server.client
+    vector = {"vector": [1.0] * 32}
+    by_k = (await client.post("/v1/search", json={**vector, "k": 3})).json()["data"]
+    by_top_k = await client.post("/v1/search", json={**vector, "top_k": 3})
+    assert by_top_k.status_code == 200, by_top_k.text
+    assert by_top_k.json()["data"] == by_k and len(by_k[0]["results"]) == 3
+    form = await client.post(
+        "/v1/search", files={"image": photos.data["p01"]}, data={"top_k": "2"}
+    )  # a form field too
+    assert form.status_code == 200, form.text
+    assert len(form.json()["data"][0]["results"]) == 2
+    both = await client.post("/v1/search", json={**vector, "k": 3, "top_k": 2})
+    assert both.status_code == 422
+    assert err(both) == {
+        "code": "invalid_request",
+        "message": "give 'k' or its alias 'top_k', not both",
+    }
+
+
 async def test_indexes_lists_rows_and_metadata(search_server: Server, db: Path) -> None:
     index = SimilarityIndex.open(db, "products")
     response = await search_server.client.get("/v1/indexes")

@@ -111,6 +111,10 @@ def test_unknown_option_wins_over_a_missing_required_one(capsys: pytest.CaptureF
 
 
 def test_other_usage_errors_stay_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert usage_error(capsys, ["inspect", "vit-b16", "--size", "x", "y"]) == [
-        "vitembed inspect: error: argument --size: invalid int value: 'x'"
+    assert usage_error(capsys, ["inspect", "vit-b16", "--json", "--size", "x", "y"]) == [
+        "vitembed inspect: error: --size takes 256 (a square), 'H W' or 'HxW' with positive whole numbers; "
+        "got 'x y'"
+    ]
+    assert usage_error(capsys, ["search", "--db", "d", "--table", "t", "--k", "many"]) == [
+        "vitembed search: error: argument --k/--top-k: invalid int value: 'many'"
     ]

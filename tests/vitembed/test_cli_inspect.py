@@ -216,7 +216,7 @@ def test_unknown_model_is_one_line_exit_2(
 
 
 def test_argparse_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert_usage_error(capsys, ["inspect", "vit-b16", "--size", "a", "224"], "invalid int")
+    assert_usage_error(capsys, ["inspect", "vit-b16", "--size", "a", "224"], "--size takes 256 (a square)")
     assert_usage_error(capsys, ["inspect"], "MODEL")
     assert_usage_error(capsys, ["frobnicate"], "invalid choice")
     assert main([]) == 2  # no subcommand: help on stderr

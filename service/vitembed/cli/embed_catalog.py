@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vitembed.cli.options import DEFAULT_DEVICE, DEVICE_HELP, add_layers, add_size
 from vitembed.cli.stop_signals import EXIT_CODES, StopOnSignals
 
 if TYPE_CHECKING:
@@ -43,12 +44,8 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         help="a checkpoint folder, a hub id from the local cache, or 'embedded' (default)",
     )
     parser.add_argument("--pooling", choices=POOLING_CHOICES, help="default: the model's")
-    parser.add_argument(
-        "--layers", nargs="+", metavar="I", help="block indices, e.g. 8 or -4 -3 -2 -1 (default: the model's)"
-    )
-    parser.add_argument(
-        "--size", nargs="+", metavar="H W", help="input size, 'H W' or 'HxW' (default: the model's)"
-    )
+    add_layers(parser, "block indices (default: the model's)")
+    add_size(parser)
     parser.add_argument("--policy", choices=POLICY_CHOICES, help="resize policy (default: the model's)")
     parser.add_argument("--normalize", action="store_true", help="L2-normalise the vectors")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype")
@@ -59,7 +56,7 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         help="compute precision; auto (the server's rule) = bfloat16 autocast only where native, not "
         "slower and cosine ≥ 0.999 to float32; --engine ray needs an explicit one; float16 needs CUDA",
     )
-    parser.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
+    parser.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     parser.add_argument(
         "--batch-size", type=int, default=8, help="images per forward pass (default 8, the fastest measured)"
     )
@@ -103,31 +100,6 @@ def parse_model(arg: str) -> tuple[str, str]:
     return arg, arg
 
 
-def parse_size(values: list[str] | None) -> tuple[int, int] | None:
-    if not values:
-        return None
-    parts = [p for v in values for p in v.lower().replace("x", " ").replace(",", " ").split()]
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) != 2 or min(numbers) < 1:
-        raise ValueError(f"--size takes 'H W' or 'HxW' with positive integers, got {' '.join(values)!r}")
-    return numbers[0], numbers[1]
-
-
-def parse_layers(values: list[str] | None) -> tuple[int, ...] | None:
-    if not values:
-        return None
-    parts = [p for v in values for p in v.replace(",", " ").split()]
-    try:
-        return tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(
-            f"--layers takes block indices such as 8 or -4 -3 -2 -1, got {' '.join(values)!r}"
-        ) from None
-
-
 def run_embed_catalog(args: argparse.Namespace) -> int:
     stopper = StopOnSignals(threading.Event())
     try:
@@ -159,7 +131,7 @@ def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
     from vit_backbone.errors import InvalidOptionError, MissingExtraError
 
     try:
-        size, layers = parse_size(args.size), parse_layers(args.layers)
+        size, layers = args.size, args.layers
         from vit_backbone.catalog.local_engine import RunSettings
 
         workers = 2 if args.workers is None or args.engine == "ray" else args.workers

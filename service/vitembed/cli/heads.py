@@ -10,31 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from vitembed.cli.options import add_k, add_layers, add_size
+
 DEFAULT_CACHE = Path("~/.cache/vitembed/features")
-
-
-# argparse reads "-4,-3,-2,-1" as an unknown option (only "-4" looks like a number to it); the train parser
-# also takes comma-joined negative indices as values, so every form `embed-catalog` accepts works here.
-_NEGATIVE_VALUES = re.compile(r"^-\d+(,-?\d+)*$|^-\d*\.\d+$")
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    """One ``--layers`` value: ``8``, ``-1`` or ``-4,-3,-2,-1`` (several values are joined)."""
-    try:
-        return tuple(int(part) for part in text.replace(",", " ").split())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"layers are block indices such as 8, -4 -3 -2 -1 or -4,-3,-2,-1; got {text!r}"
-        ) from exc
-
-
-def joined_layers(values: list[tuple[int, ...]] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(i for value in values for i in value)
 
 
 def parse_head_args(values: list[str]) -> dict[str, str]:
@@ -64,16 +46,8 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--kind", choices=("linear", "knn", "patch"), default="linear")
     train.add_argument("--pooling", default=None, help="default: the model's (patch heads: patch)")
-    train.add_argument(
-        "--layers",
-        type=_layers,
-        nargs="+",
-        default=None,
-        metavar="I",
-        help="blocks: 8, -4 -3 -2 -1 or -4,-3,-2,-1",
-    )
-    train._negative_number_matcher = _NEGATIVE_VALUES  # see _NEGATIVE_VALUES
-    train.add_argument("--size", nargs=2, type=int, default=None, metavar=("H", "W"))
+    add_layers(train)
+    add_size(train)
     train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
     train.add_argument("--val-fraction", type=float, default=0.2, help="held-out share for model selection")
     train.add_argument("--seed", type=int, default=0)
@@ -86,7 +60,7 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("head", metavar="HEAD")
     predict.add_argument("images", metavar="IMAGE", nargs="+", type=Path)
     predict.add_argument("--model", default="embedded", help="the backbone the head was trained on")
-    predict.add_argument("--top-k", type=int, default=3)
+    add_k(predict, 3, "labels per image (classifier heads)")
     predict.add_argument("--json", action="store_true", help="one JSON object per image")
     predict.add_argument("--masks-out", type=Path, default=None, help="patch heads: write X.mask.png here")
     predict.set_defaults(heads_run=_predict)
@@ -110,8 +84,8 @@ def _train(args: argparse.Namespace) -> int:
     options = TrainOptions(
         kind=args.kind,
         pooling=args.pooling,
-        layers=joined_layers(args.layers),
-        size=None if args.size is None else (args.size[0], args.size[1]),
+        layers=args.layers,
+        size=args.size,
         policy=args.policy,
         val_fraction=args.val_fraction,
         seed=args.seed,
@@ -156,7 +130,7 @@ def _predict(args: argparse.Namespace) -> int:
     if head.card.kind == "patch":
         return _predict_patch(args, backbone, head, images, predict_masks)
     probabilities = predict_proba(backbone, head, images)  # [n, C]
-    k = max(1, min(args.top_k, len(classes)))
+    k = max(1, min(args.k, len(classes)))
     for path, row in zip(args.images, probabilities, strict=True):
         order = row.argsort()[::-1][:k]
         labels = [{"label": classes[i], "probability": float(row[i])} for i in order]

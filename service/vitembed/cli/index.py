@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vit_backbone.catalog.index_defaults import DEFAULT_ANN_THRESHOLD
+from vitembed.cli.options import add_k, add_layers, add_size
 
 
 def _quiet_lance() -> None:
@@ -99,7 +100,7 @@ def configure_search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vector-file", type=Path, help=".npy query vector [D] or vectors [Q, D] instead of images"
     )
-    parser.add_argument("--k", type=int, default=10, help="results per query (1..1000, default 10)")
+    add_k(parser, 10, "results per query (1..1000)")
     parser.add_argument("--where", help="SQL predicate on the metadata columns, applied before the search")
     parser.add_argument(
         "--model",
@@ -203,9 +204,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     retrieval.add_argument("--data", choices=("fashion-mnist",), default="fashion-mnist")
     retrieval.add_argument("--model", default="embedded", help="checkpoint folder, hub id or 'embedded'")
     retrieval.add_argument("--pooling", help="default: the model's")
-    retrieval.add_argument("--layers", help="0-based blocks, negative from the end: -1 or -4,-3,-2,-1")
+    add_layers(retrieval, "0-based blocks, negative from the end (default: the model's)")
     retrieval.add_argument("--policy", help="crop | squash | pad | dynamic (default: the model's)")
-    retrieval.add_argument("--size", nargs=2, type=int, metavar=("H", "W"))
+    add_size(retrieval)
     retrieval.add_argument("--metric", choices=("cosine", "dot"), default="cosine")
     retrieval.add_argument("--normalize", action="store_true", help="L2-normalise the embeddings")
     retrieval.add_argument("--gallery", type=int, default=1000, help="gallery images (default 1000)")
@@ -225,22 +226,14 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     _quiet_lance()
     from vit_backbone.catalog.eval_retrieval import EvalSpec, format_report, run_retrieval_eval
-    from vit_backbone.errors import InvalidOptionError
 
-    layers: list[int] | None = None
-    if args.layers:
-        try:
-            layers = [int(v) for v in args.layers.split(",")]
-        except ValueError as exc:
-            raise InvalidOptionError(
-                f"--layers must be integers separated by commas, got {args.layers!r}"
-            ) from exc
+    layers = list(args.layers) if args.layers else None
     spec = EvalSpec(
         model=args.model,
         pooling=args.pooling,
         layers=layers,
         policy=args.policy,
-        size=tuple(args.size) if args.size else None,
+        size=args.size,
         normalize=args.normalize,
         metric=args.metric,
         gallery=args.gallery,

@@ -48,6 +48,7 @@ from vitembed.cli.index import (
     run_index,
     run_search,
 )
+from vitembed.cli.options import add_size, cli_words
 from vitembed.cli.parser import Parser, UsageError
 from vitembed.cli.serve import SettingsError, configure_serve, run_serve
 
@@ -88,13 +89,7 @@ def _configure_inspect(parser: argparse.ArgumentParser) -> None:
         help=f"a standard architecture ({', '.join(STANDARD_ARCHS)}), a local checkpoint folder, "
         "a Hugging Face hub id, or 'embedded'",
     )
-    parser.add_argument(
-        "--size",
-        nargs=2,
-        type=int,
-        metavar=("H", "W"),
-        help="input height and width in pixels (multiples of the patch); default: the native size",
-    )
+    add_size(parser, "input size, multiples of the patch (default: the native size)")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 
@@ -232,7 +227,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     default_size = target.arch.native_size
     if target.path is not None:
         facts, default_size = _usage_facts(target.path)
-    size = (args.size[0], args.size[1]) if args.size else default_size
+    size = args.size or default_size
     requested = cost_report(target.arch, size[0], size[1], params=target.params)  # validates the size
     reports = cost_reports(target.arch, standard_sizes(target.arch, include=size), params=target.params)
     if args.json:
@@ -333,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return 1
     except (VitEmbedError, OSError, SettingsError) as exc:
-        print(f"{PROG} {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {cli_words(_one_line(exc))}", file=sys.stderr)
         return EXIT_USAGE
 
 

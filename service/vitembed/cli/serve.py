@@ -16,7 +16,7 @@ from vitembed.settings_error import SettingsError as SettingsError  # re-exporte
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1: loopback only)"),
     "--port": ("port", int, "port (default 8000)"),
-    "--device": ("device", str, "cpu | cuda | auto (default cpu)"),
+    "--device": ("device", str, "cpu | cuda | auto (default auto: CUDA when available, else the CPU)"),
     "--precision": ("precision", str, "auto | float32 | bfloat16 | float16 (default auto)"),
     "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 8)"),
     "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass"),

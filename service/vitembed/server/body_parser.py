@@ -24,7 +24,13 @@ from python_multipart.multipart import (
 )
 
 from vitembed.server.errors import ApiError, describe_validation_errors
-from vitembed.server.schemas import OPTION_NAMES, EmbedOptionsIn, ImageIn, OpenAIEmbeddingRequest
+from vitembed.server.schemas import (
+    OPTION_ALIASES,
+    OPTION_NAMES,
+    EmbedOptionsIn,
+    ImageIn,
+    OpenAIEmbeddingRequest,
+)
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 _BASE64_WHITESPACE = str.maketrans("", "", " \t\r\n")
@@ -108,7 +114,7 @@ def parse_embed_json(
     if not isinstance(images, list):
         raise ApiError(422, "invalid_request", 'images must be a list of {"base64": ...} objects')
     check_image_count(len(images), max_images)
-    unknown = [key for key in payload if key not in option_names]
+    unknown = [key for key in payload if not _accepted(key, option_names)]
     if unknown:
         raise ApiError(
             422, "invalid_request", f"unknown field {unknown[0][:64]!r}; options: {', '.join(option_names)}"
@@ -129,6 +135,22 @@ def parse_embed_json(
             raise validation_error(exc, index=index) from exc
         decoded.append(decode_base64(strip_data_prefix(image.base64), index))
     return decoded, payload
+
+
+def _canonical(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options under their primary names (``top_k`` -> ``k``); both spellings in one place is a 422."""
+    canonical: dict[str, Any] = {}
+    for key, value in options.items():
+        name = OPTION_ALIASES.get(key, key)
+        if name in canonical:
+            raise ApiError(422, "invalid_request", f"give {name!r} or its alias {key!r}, not both")
+        canonical[name] = value
+    return canonical
+
+
+def _accepted(name: str, option_names: Sequence[str]) -> bool:
+    """An option the route takes, under its name or an alias of it (``top_k`` for ``k``)."""
+    return name in option_names or OPTION_ALIASES.get(name) in option_names
 
 
 def _json_kind(value: Any) -> str:
@@ -216,7 +238,7 @@ def parse_multipart(
         if name == "image":
             images.append(bytes(data))
             continue
-        if name not in option_names:
+        if not _accepted(name, option_names):
             raise ApiError(
                 422,
                 "invalid_request",
@@ -241,6 +263,7 @@ def merge_options(query: Mapping[str, Any], body: Mapping[str, Any]) -> EmbedOpt
 def merge_into(model: type[OptionsT], query: Mapping[str, Any], body: Mapping[str, Any]) -> OptionsT:
     """One option, one place: the same name in the query and the body is refused rather than guessed;
     the merged options are validated as ``model`` (a 422 naming the bad field)."""
+    query, body = _canonical(query), _canonical(body)
     twice = sorted(set(query) & set(body))
     if twice:
         raise ApiError(

@@ -105,16 +105,19 @@ class PatchOptionsIn(BaseModel):
     def _parse_size(cls, value: Any) -> Any:
         if isinstance(value, str):
             parts = value.lower().replace("x", ",").split(",")
+            parts = parts * 2 if len(parts) == 1 else parts  # one number: a square
             if len(parts) != 2 or not all(p.strip().isdigit() and len(p.strip()) <= 6 for p in parts):
-                raise ValueError("size must be two whole numbers H,W, e.g. 224,224")
+                raise ValueError("size must be one or two whole numbers: 224 (a square) or H,W, e.g. 224,224")
             return (int(parts[0]), int(parts[1]))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value, value)
         return value
 
     @field_validator("size")
     @classmethod
     def _positive(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
         if value is not None and min(value) < 1:
-            raise ValueError("size must be two positive whole numbers H,W, e.g. 224,224")
+            raise ValueError("size must be positive whole numbers: 224 (a square) or H,W, e.g. 224,224")
         return value
 
 

@@ -1,7 +1,7 @@
 """``POST /v1/classify``: a served frozen head's answer for each image.
 
 Images arrive as for ``/v1/embed`` (multipart parts named ``image``, or JSON ``{"images": [{"base64"}]}``);
-options ``head`` (default: the only served head), ``top_k`` (classifiers) and ``upsample`` /
+options ``head`` (default: the only served head), ``k`` (classifiers; alias ``top_k``) and ``upsample`` /
 ``upsample_mode`` (patch heads) come as form fields, JSON fields or query parameters, each from one place.
 Images are prepared the way the head was trained (its card's policy and size) and go through the same
 batcher as embeddings. ``Accept: application/x-npy`` returns one array: probabilities [n, C] (class order
@@ -46,7 +46,7 @@ from vitembed.server.plumbing import (
 from vitembed.server.serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from vitembed.settings import HEAD_NAME_MAX
 
-CLASSIFY_OPTIONS = ("head", "top_k", "upsample", "upsample_mode")
+CLASSIFY_OPTIONS = ("head", "k", "upsample", "upsample_mode")
 
 heads_router = APIRouter(prefix="/v1", tags=["heads"], dependencies=[Depends(require_api_key)])
 
@@ -57,7 +57,7 @@ class ClassifyOptionsIn(BaseModel):
     head: str | None = Field(
         None, min_length=1, max_length=HEAD_NAME_MAX, description="a served head (default: the only one)"
     )
-    top_k: int = Field(5, ge=1, le=1000, description="classifier heads: how many labels per image")
+    k: int = Field(5, ge=1, le=1000, description="classifier heads: how many labels per image (alias: top_k)")
     upsample: bool = Field(False, description="patch heads: class ids at each input image's size too")
     upsample_mode: Literal["bilinear", "nearest"] = Field(
         "bilinear", description="bilinear on the logits, or nearest on the class ids"
@@ -68,7 +68,8 @@ class ClassifyQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     head: str | None = Field(None, description="a served head")
-    top_k: str | None = Field(None, description="labels per image (default 5)")
+    k: str | None = Field(None, description="labels per image (default 5)")
+    top_k: str | None = Field(None, description="alias of k")
     upsample: str | None = Field(None, description="true | false (patch heads)")
     upsample_mode: str | None = Field(None, description="bilinear | nearest")
 
@@ -168,7 +169,7 @@ async def classify(
             )
         result = await timed(metrics, lambda: _patch_body(outcome, options, npy), values=values)
     else:
-        result = await timed(metrics, lambda: _labels_body(outcome, options.top_k, npy), values=0)
+        result = await timed(metrics, lambda: _labels_body(outcome, options.k, npy), values=0)
     data, headers = result
     return Response(data, media_type=NPY_MEDIA_TYPE if npy else JSON_MEDIA_TYPE, headers=headers)
 

@@ -29,6 +29,23 @@ _MAX_LAYERS = 64
 _MAX_HEADS = 16
 _INTS = re.compile(r"^\s*-?\d{1,6}\s*(,\s*-?\d{1,6}\s*)*$")
 
+# One spelling per option across the CLI and HTTP: ``k`` is the result count (``--k``, ``k``); ``top_k``
+# (``--top-k``) is accepted as an alias wherever ``k`` is.
+OPTION_ALIASES: dict[str, str] = {"top_k": "k"}
+
+
+def fold_aliases(data: Any) -> Any:
+    """``{"top_k": 3}`` -> ``{"k": 3}`` (a ``mode="before"`` validator); both spellings at once is refused."""
+    if not isinstance(data, dict):
+        return data
+    folded = dict(data)
+    for alias, name in OPTION_ALIASES.items():
+        if alias in folded:
+            if name in folded:
+                raise ValueError(f"give {name!r} or its alias {alias!r}, not both")
+            folded[name] = folded.pop(alias)
+    return folded
+
 
 def _split_ints(value: str, what: str, example: str) -> list[int]:
     if len(value) > 256 or not _INTS.match(value):
@@ -52,7 +69,9 @@ class EmbedOptionsIn(BaseModel):
     layers: tuple[int, ...] | None = Field(
         None, description="0-based blocks, negative from the end: -1, or -4,-3,-2,-1 (a list in JSON)"
     )
-    size: tuple[int, int] | None = Field(None, description="(H, W) in pixels: 224,224 (a list in JSON)")
+    size: tuple[int, int] | None = Field(
+        None, description="(H, W) in pixels: 224,224 (a list in JSON), or one number for a square"
+    )
     policy: str | None = Field(
         None, min_length=1, max_length=32, description="crop | squash | pad | dynamic (default: the model's)"
     )
@@ -94,15 +113,19 @@ class EmbedOptionsIn(BaseModel):
     def _parse_size(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = _split_ints(value.lower().replace("x", ","), "size", "224,224")
+            if len(value) == 1:  # one number: a square, as on the CLI and in the library
+                value = [value[0], value[0]]
             if len(value) != 2:
-                raise ValueError("size must be two whole numbers H,W, e.g. 224,224")
+                raise ValueError("size must be one or two whole numbers: 224 (a square) or H,W, e.g. 224,224")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = (value, value)
         return value
 
     @field_validator("size")
     @classmethod
     def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
         if value is not None and min(value) < 1:
-            raise ValueError("size must be two positive whole numbers H,W, e.g. 224,224")
+            raise ValueError("size must be positive whole numbers: 224 (a square) or H,W, e.g. 224,224")
         return value
 
 
@@ -116,7 +139,7 @@ class EmbedQuery(BaseModel):
         None, description="cls | pooler | mean | cls_mean | gem | patch | linear_eval"
     )
     layers: str | None = Field(None, description="-1 or -4,-3,-2,-1")
-    size: str | None = Field(None, description="H,W e.g. 224,224")
+    size: str | None = Field(None, description="H,W e.g. 224,224, or one number for a square")
     policy: str | None = Field(None, description="crop | squash | pad | dynamic")
     normalize: str | None = Field(None, description="true | false")
     dtype: str | None = Field(None, description="float32 | float16")

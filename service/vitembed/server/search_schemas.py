@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vit_backbone.catalog.index_search import MAX_K, MAX_NPROBES
+from vitembed.server.schemas import fold_aliases
 
 MAX_WHERE_CHARS = 1024
 SEARCH_FIELDS = ("index", "k", "where", "nprobes", "threshold")
@@ -19,7 +20,7 @@ class SearchOptionsIn(BaseModel):
     index: str | None = Field(
         None, min_length=1, max_length=128, description="a served index (default: the only one)"
     )
-    k: int = Field(10, ge=1, le=MAX_K, description=f"results per query, 1..{MAX_K}")
+    k: int = Field(10, ge=1, le=MAX_K, description=f"results per query, 1..{MAX_K} (alias: top_k)")
     where: str | None = Field(
         None,
         min_length=1,
@@ -39,6 +40,11 @@ class SearchOptionsIn(BaseModel):
         description="keep only hits scoring at least this (near-duplicate check: `vitembed dedup`'s "
         "calibrated cosine); each query then says whether any hit is left (`near_duplicate`)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_k_is_k(cls, data: Any) -> Any:
+        return fold_aliases(data)
 
 
 class SearchJsonRequest(SearchOptionsIn):

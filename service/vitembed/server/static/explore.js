@@ -295,7 +295,7 @@ async function classify() {
     const form = new FormData();
     form.append("image", state.image, "image");
     form.append("head", name);
-    form.append("top_k", "5");
+    form.append("k", "5");
     try {
       const answer = await apiJson("/v1/classify", { method: "POST", body: form });
       const item = answer.data[0];
