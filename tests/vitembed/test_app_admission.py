@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,23 +68,41 @@ def inject(load: ModelLoad, per_image_s: float) -> None:
     load.observe(TOKENS, 1, per_image_s)
 
 
-async def wait_reserved(load: ModelLoad, count: int) -> None:
-    deadline = time.monotonic() + 10
-    while load.reserved_images != count:
-        if time.monotonic() > deadline:
-            pytest.fail(f"{count} image(s) never reserved")
-        await asyncio.sleep(0.005)
+class HeldDecode:
+    """The first image the engine prepares waits, admitted and reserved, until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.begun = threading.Event()
+        self.release = threading.Event()
+
+
+@pytest.fixture
+def held_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldDecode]:
+    held = HeldDecode()
+    prepare = Engine._prepare_one
+
+    def hold_the_first(self: Engine, *args: Any) -> Any:
+        if not held.begun.is_set():
+            held.begun.set()
+            held.release.wait(30)
+        return prepare(self, *args)
+
+    monkeypatch.setattr(Engine, "_prepare_one", hold_the_first)
+    yield held
+    held.release.set()
 
 
 async def test_refusals_carry_the_reason_and_a_retry_after_from_the_predicted_wait(
-    tiny_path: Path, images: Images, err: Err
+    tiny_path: Path, images: Images, err: Err, held_decode: HeldDecode
 ) -> None:
-    """One image waits for its batch timer (2 s); the queue ahead of the next request is then that image."""
+    """One admitted image is held in its decode (event-ordered, not a race with its 2 s batch timer); the
+    queue ahead of the next requests is then that image, and each batch waits its 2 s timer."""
     async with serve_engine(tiny_path, max_wait_ms=2000, queue_delay_target_s=2.0) as server:
         load = tiny_load(server)
         data = images.jpeg(60, 60, 2)
         first = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": data}))
-        await wait_reserved(load, 1)
+        assert await asyncio.to_thread(held_decode.begun.wait, 30)
+        assert load.reserved_images == 1
 
         inject(load, 3.0)  # ahead 3 s + its own 3 s (charged at most half the target: 1 s) = 4 s > 2 s
         overloaded = await server.client.post("/v1/embed", files={"image": data})
@@ -107,6 +125,7 @@ async def test_refusals_carry_the_reason_and_a_retry_after_from_the_predicted_wa
             "message": "the predicted wait (2.5 s) is longer than the request's deadline (1.25 s); "
             "retry in 2 s or allow more time",
         }
+        held_decode.release.set()
         assert (await first).status_code == 200
         for reason, count in (("queue_delay", 1), ("deadline", 1)):
             assert await server.metric("vitembed_admission_total", model="tiny", outcome=reason) == count
