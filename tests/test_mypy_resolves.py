@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from source_tree import ROOT, copy_sources
 
-ROOT = Path(__file__).resolve().parents[1]
 TREE = ["pyproject.toml", "vit_backbone", "service", "client", "bench"]
 
 pytestmark = pytest.mark.slow
@@ -47,14 +47,7 @@ PLANTED = [
 
 
 def _copy(tmp_path: Path) -> Path:
-    tree = tmp_path / "tree"
-    for name in TREE:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            tree.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, tree / name)
+    tree = copy_sources(TREE, tmp_path / "tree")
     if (ROOT / ".mypy_cache").is_dir():
         shutil.copytree(ROOT / ".mypy_cache", tree / ".mypy_cache")
     return tree

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from source_tree import ROOT, copy_sources
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["pyproject.toml", "README.md", "vit_backbone", "service"]
 PIP = (sys.executable, "-m", "pip")
 HELP_NEEDS = ("numpy",)  # distributions besides the wheel that `vitembed --help` imports
@@ -46,14 +45,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the built wheel, the venv it is installed in)."""
     pytest.importorskip("setuptools")
     tmp = tmp_path_factory.mktemp("packaging")
-    src = tmp / "src"
-    for name in SOURCES:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            src.mkdir(exist_ok=True)
-            shutil.copy2(source, src / name)
+    src = copy_sources(SOURCES, tmp / "src")
     dist = tmp / "dist"
     build = _pip(
         "wheel",

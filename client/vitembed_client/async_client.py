@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 
 from . import protocol as p
-from .client import DEFAULT_URL, base_headers, batches, check_batching, known_length, progress_default
+from .client import DEFAULT_URL, batches, check_batching, http_options, known_length, progress_default
 from .errors import ConnectError, TransportError, VitembedError, from_response
 from .progress import Progress
 from .retry import RetryPolicy, next_wait
@@ -35,15 +35,7 @@ class AsyncClient:
     ) -> None:
         self.retry = retry if retry is not None else RetryPolicy()
         self._rng = random.Random()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(
-            base_url=base_url,
-            timeout=timeout,
-            headers=base_headers(api_key, timeout),
-            limits=limits,
-            transport=transport,
-            trust_env=False,
-        )
+        self._http = httpx.AsyncClient(**http_options(base_url, api_key, timeout, max_connections, transport))
 
     async def embed(self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any) -> np.ndarray:
         """See ``Client.embed``."""

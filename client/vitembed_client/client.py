@@ -35,6 +35,26 @@ def base_headers(api_key: str | None, timeout: float | httpx.Timeout) -> dict[st
     return headers
 
 
+def http_options(
+    base_url: str,
+    api_key: str | None,
+    timeout: float | httpx.Timeout,
+    max_connections: int,
+    transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
+) -> dict[str, Any]:
+    """The keyword arguments of the ``httpx.Client`` (or ``httpx.AsyncClient``) under a client: one
+    connection pool of ``max_connections``, every request's headers, no proxy from the environment."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    return {
+        "base_url": base_url,
+        "timeout": timeout,
+        "headers": base_headers(api_key, timeout),
+        "limits": limits,
+        "transport": transport,
+        "trust_env": False,
+    }
+
+
 def check_batching(batch_size: int, concurrency: int) -> None:
     if batch_size < 1 or concurrency < 1:
         raise ValueError(f"batch_size and concurrency must be at least 1, got {batch_size} and {concurrency}")
@@ -69,15 +89,7 @@ class Client:
     ) -> None:
         self.retry = retry if retry is not None else RetryPolicy()
         self._rng = random.Random()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.Client(
-            base_url=base_url,
-            timeout=timeout,
-            headers=base_headers(api_key, timeout),
-            limits=limits,
-            transport=transport,
-            trust_env=False,
-        )
+        self._http = httpx.Client(**http_options(base_url, api_key, timeout, max_connections, transport))
 
     # ---------------------------------------------------------------------------------------- the API
     def embed(self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any) -> np.ndarray:
