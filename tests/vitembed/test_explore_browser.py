@@ -15,6 +15,7 @@ The module skips only when Chromium or the Playwright / axe-core packages are ab
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import shutil
@@ -35,7 +36,7 @@ from vit_backbone import Backbone
 from vit_backbone.heads import TrainOptions, save_head, train_head
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, ConsoleMessage, Error, Page, Request, Response
+    from playwright.sync_api import Browser, ConsoleMessage, Error, FileChooser, Page, Request, Response
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).is_file():
@@ -370,7 +371,7 @@ def test_changing_the_policy_redraws_the_grid(
     ready(tab)
     upload(tab, "rocket.jpg", photos["rocket"])  # 427 x 640: crop, squash and dynamic give different grids
     seen = {}
-    for policy in ("crop", "dynamic", "squash"):
+    for policy in ("crop", "dynamic", "squash", "pad"):
         before = tab.page.evaluate("Number(document.body.dataset.features)")
         tab.page.select_option("#policy", policy)
         if policy != "crop":  # crop is the tiny model's default: no change, no new request
@@ -386,7 +387,50 @@ def test_changing_the_policy_redraws_the_grid(
         assert f"{rows} × {cols} = {rows * cols} patch tokens" in tab.page.inner_text("#view-caption")
         assert policy in tab.page.inner_text("#policy-help")
         seen[policy] = (rows, cols)
+        holds = int(np.asarray(body["pca"]["foreground"]).sum())  # pad: the letterbox is left out, black
+        assert (canvas_rgb(tab, "#pca").reshape(-1, 3).any(axis=1)).sum() <= holds
+        assert (holds < rows * cols) == (policy == "pad")
     assert seen["crop"] == (4, 4) and seen["dynamic"] != (4, 4) and seen["dynamic"][1] > seen["dynamic"][0]
+    # the background removed: the map is the API's thresholded one, background patches black
+    before = tab.page.evaluate("Number(document.body.dataset.features)")
+    tab.page.check("#background")
+    tab.page.wait_for_function(f"() => Number(document.body.dataset.features) > {before}")
+    fields = {**api_options(form_options(tab)), "background_threshold": "0.5"}
+    with server.client() as client:
+        pca = client.post("/v1/patch-features", files={"image": photos["rocket"]}, data=fields).json()["pca"]
+    keep = np.asarray(pca["foreground"])
+    assert 0 < keep.sum() < keep.size
+    drawn = canvas_rgb(tab, "#pca")
+    assert np.abs(drawn.astype(int) - np.rint(np.asarray(pca["rgb"]) * 255)).max() <= 1
+    assert (drawn[~keep] == 0).all()
+    assert f"{keep.sum()} of {keep.size} patches kept as foreground" in tab.page.inner_text("#pca-caption")
+    assert (tab.errors, tab.failed) == ([], [])
+
+
+def test_an_image_dropped_or_pasted_is_used(
+    server: ServerProcess, open_tab: Callable[[ServerProcess], Tab], photos: dict[str, bytes]
+) -> None:
+    tab = open_tab(server)
+    ready(tab)
+    for event, name in (("drop", "chelsea"), ("paste", "coffee")):
+        before = tab.page.evaluate("Number(document.body.dataset.features || 0)")
+        tab.page.evaluate(
+            """([event, encoded]) => {
+                const bytes = Uint8Array.from(atob(encoded), (c) => c.charCodeAt(0));
+                const data = new DataTransfer();
+                data.items.add(new File([bytes], "photo.jpg", { type: "image/jpeg" }));
+                const init = { bubbles: true, cancelable: true };
+                if (event === "drop") {
+                    const drop = document.getElementById("drop");
+                    drop.dispatchEvent(new DragEvent("drop", { ...init, dataTransfer: data }));
+                } else {
+                    document.dispatchEvent(new ClipboardEvent("paste", { ...init, clipboardData: data }));
+                }
+            }""",
+            [event, base64.b64encode(photos[name]).decode("ascii")],
+        )
+        tab.page.wait_for_function(f"() => Number(document.body.dataset.features || 0) > {before}")
+        assert neighbour_ids(tab)[0] == f"{name}.jpg"
     assert (tab.errors, tab.failed) == ([], [])
 
 
@@ -481,6 +525,8 @@ def test_keyboard_alone_reaches_and_operates_every_control(
     tab = open_tab(server)
     ready(tab)
     page = tab.page
+    choosers: list[FileChooser] = []
+    page.on("filechooser", lambda chooser: choosers.append(chooser))  # intercepting before any key
 
     def focused() -> str:
         return page.evaluate(f"({FOCUS_KEY})(document.activeElement)")
@@ -490,9 +536,13 @@ def test_keyboard_alone_reaches_and_operates_every_control(
         if focused() == "file":
             break
     assert focused() == "file"
-    with page.expect_file_chooser() as chooser:
-        page.keyboard.press("Space")
-    chooser.value.set_files(
+    page.keyboard.press("Space")
+    for _ in range(100):  # the chooser event comes from the browser, after the key: wait up to 10 s
+        if choosers:
+            break
+        page.wait_for_timeout(100)
+    assert choosers, "Space on the focused file picker opened no file chooser"
+    choosers[0].set_files(
         files=[sync_api.FilePayload(name="coffee.jpg", mimeType="image/jpeg", buffer=photos["coffee"])]
     )
     page.wait_for_function("() => Number(document.body.dataset.features || 0) > 0")
