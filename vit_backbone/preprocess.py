@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from vit_backbone.borders import trim_borders
 from vit_backbone.decode import DecodeLimits, decode, to_rgb
 from vit_backbone.errors import ImageDecodeError, InvalidOptionError, SizeError
 from vit_backbone.preprocess_config import (
@@ -43,8 +44,14 @@ __all__ = [
     "stack_valid",
 ]
 
-ResizePolicy = Literal["crop", "squash", "pad", "dynamic"]
+ResizePolicy = Literal["crop", "squash", "pad", "dynamic", "trim_squash", "trim_pad"]
 RESIZE_POLICIES: tuple[ResizePolicy, ...] = get_args(ResizePolicy)
+TRIM_PREFIX = "trim_"  # trim_squash / trim_pad: flat borders cut away (vit_backbone.borders), then the policy
+
+
+def base_policy(policy: str) -> str:
+    """The resize a policy ends with: ``trim_pad`` → ``pad``."""
+    return policy.removeprefix(TRIM_PREFIX)
 
 
 def check_policy(policy: str) -> ResizePolicy:
@@ -112,13 +119,16 @@ class Preprocessor:
         draft: bool = True,
     ) -> Prepared:
         self._check_request(policy, size)
+        trim = policy.startswith(TRIM_PREFIX)
         if isinstance(image, bytes | bytearray | memoryview):
 
             def wanted(source_hw: tuple[int, int]) -> tuple[int, int] | None:
                 return self.min_decode_size(policy, size, source_hw)
 
             started = time.perf_counter()
-            decoded = decode(bytes(image), limits=self.limits, min_size=wanted if draft else None)
+            # trimming looks at the decoded pixels: a draft would be sized for the untrimmed image
+            drafted = wanted if draft and not trim else None
+            decoded = decode(bytes(image), limits=self.limits, min_size=drafted)
             img, source = decoded.image, decoded.source_size
             decode_s = time.perf_counter() - started
         elif isinstance(image, Image.Image):
@@ -132,12 +142,14 @@ class Preprocessor:
                 )
         else:
             raise InvalidOptionError(f"expected a PIL.Image.Image or bytes, got {type(image).__name__}")
-        plan = self._plan(policy, size, source)
+        if trim:
+            img = trim_borders(img)
+        plan = self._plan(policy, size, (img.height, img.width) if trim else source)
         pixels = self._run_torch(img, plan) if self.config.pipeline == "torch" else self._run_pil(img, plan)
         (ph, pw), (out_h, out_w) = self.patch_size, plan.out
         grid = (out_h // ph, out_w // pw)
         valid = None
-        if policy == "pad" and plan.resize is not None and plan.resize != plan.out:
+        if base_policy(policy) == "pad" and plan.resize is not None and plan.resize != plan.out:
             valid = patch_coverage(grid, self.patch_size, plan.offset, plan.resize)
         return Prepared(
             pixel_values=pixels,
@@ -171,6 +183,7 @@ class Preprocessor:
 
     def _plan(self, policy: str, size: tuple[int, int] | None, source_hw: tuple[int, int]) -> _Plan:
         cfg, (ph, pw) = self.config, self.patch_size
+        policy = base_policy(policy)
         if policy == "dynamic":
             budget = math.prod(self.native_grid) if size is None else (size[0] // ph) * (size[1] // pw)
             if budget < 1:

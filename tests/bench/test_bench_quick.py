@@ -33,7 +33,7 @@ BENCHES: dict[str, tuple[str, set[str], bool]] = {
     ),
     "copy_detection": (
         "copy_detection",
-        {"config", "quick", "variants", "gallery", "queries_per_transform", "pad_curve_mean8"},
+        {"config", "quick", "variants", "gallery", "queries_per_transform", "curves", "candidates"},
         False,
     ),
     "search_bench": ("search", {"machine", "quick", "rows", "build_s", "exact", "ann"}, False),

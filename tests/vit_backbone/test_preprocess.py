@@ -258,3 +258,51 @@ def test_draft_on_and_off_agree_closely() -> None:
         assert on.pixel_values.shape == off.pixel_values.shape and on.grid == off.grid
         assert on.source_size == off.source_size == (1200, 1600)
         assert (on.pixel_values - off.pixel_values).abs().mean().item() < 0.05
+
+
+def _bordered(
+    photo: Image.Image, margins: tuple[int, int, int, int], colour: tuple[int, int, int]
+) -> Image.Image:
+    left, top, right, bottom = margins
+    canvas = Image.new("RGB", (photo.width + left + right, photo.height + top + bottom), colour)
+    canvas.paste(photo, (left, top))
+    return canvas
+
+
+def test_trim_box_finds_the_photo_inside_a_border_with_a_title_bar(images: dict[str, Image.Image]) -> None:
+    from PIL import ImageDraw
+
+    from vit_backbone.borders import trim_borders, trim_box
+
+    photo = images["coffee"].resize((160, 120))
+    boxed = _bordered(photo, (30, 44, 12, 20), (255, 255, 255))
+    ImageDraw.Draw(boxed).rectangle((0, 0, boxed.width, 18), fill=(40, 40, 60))  # screenshot-style bar
+    assert trim_box(boxed) == (30, 44, 190, 164)
+    # through a JPEG round trip the border is noisy and the photo's edge rings within its 8x8 (chroma 16x16)
+    # blocks: the box keeps at most a block of border per side, never cuts into the photo
+    jpeg = io.BytesIO()
+    boxed.save(jpeg, format="JPEG", quality=75)
+    noisy = trim_box(Image.open(jpeg).convert("RGB"))
+    assert noisy is not None and noisy[0] <= 30 and noisy[1] <= 44 and noisy[2] >= 190 and noisy[3] >= 164
+    assert max(abs(a - b) for a, b in zip(noisy, (30, 44, 190, 164), strict=True)) <= 8
+    assert trim_box(photo) is None and trim_borders(photo) is photo
+    assert trim_box(Image.new("RGB", (50, 40), (7, 7, 7))) is None  # blank: nothing but border, left alone
+
+
+def test_trim_policies_embed_the_photo_not_its_border(images: dict[str, Image.Image]) -> None:
+    pre = dinov2()
+    photo = images["chelsea"].resize((200, 140))
+    boxed = _bordered(photo, (40, 10, 90, 60), (0, 0, 0))
+    for policy in ("trim_squash", "trim_pad"):
+        a, b = pre(photo, policy=policy), pre(boxed, policy=policy)  # type: ignore[arg-type]
+        assert torch.equal(a.pixel_values, b.pixel_values) and a.grid == b.grid and b.policy == policy
+    assert torch.equal(
+        pre(boxed, policy="trim_squash").pixel_values, pre(photo, policy="squash").pixel_values
+    )
+    padded = pre(boxed, policy="trim_pad")
+    assert padded.valid is not None and padded.valid.shape == (16, 16)  # the trimmed photo's letterbox
+    assert np.array_equal(padded.valid, pre(photo, policy="pad").validity())
+    encoded = io.BytesIO()
+    boxed.save(encoded, format="PNG")
+    from_bytes = pre(encoded.getvalue(), policy="trim_squash")  # draft is off for trim policies
+    assert torch.equal(from_bytes.pixel_values, pre(photo, policy="squash").pixel_values)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from vit_backbone.catalog.meta import CatalogMeta
 
 POOLING_CHOICES = ("cls", "pooler", "mean", "cls_mean", "gem", "linear_eval")
-POLICY_CHOICES = ("crop", "squash", "pad", "dynamic")
+POLICY_CHOICES = ("crop", "squash", "pad", "dynamic", "trim_squash", "trim_pad")
 
 
 def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
