@@ -23,7 +23,7 @@ from .errors import InvalidOptionError, SizeError, UnsupportedModelError
 from .features import Features, LayerTokens
 from .model_config import ModelConfig
 from .pool_requests import pooled_many
-from .pooling import Pooling, check_pooling, pool, pool_layers, pooled_array, pooled_dim
+from .pooling import WHOLE_NETWORK, Pooling, check_pooling, pool, pool_layers, pooled_array, pooled_dim
 from .pos_embed import PositionTableCache, image_box, letterbox_positions
 from .preprocess import (
     Prepared,
@@ -35,6 +35,8 @@ from .preprocess import (
     stack_valid,
 )
 from .preprocess_config import SizeArg, nearest_multiples, square_size
+from .presets import DEFAULT_PRESET, check_preset
+from .projection import ImageProjection
 from .specs import InterpolationRule, ResampleMethod
 
 __all__ = ["Backbone", "BackboneInfo", "EmbedDefaults", "EmbedResult", "ImageInput", "LayersArg"]
@@ -56,8 +58,10 @@ class Backbone:
         preprocess: PreprocessConfig,
         *,
         interpolation: InterpolationRule = "transformers",
-        defaults: EmbedDefaults | None = None,
+        presets: dict[str, EmbedDefaults] | None = None,
+        preset: str | None = None,
         autocast: torch.dtype | None = None,
+        projection: ImageProjection | None = None,
     ) -> None:
         spec = config.spec
         self.model = model
@@ -74,7 +78,10 @@ class Backbone:
         self.heads = config.heads
         self.interpolation: InterpolationRule = interpolation
         self.resample: ResampleMethod = spec.resample_method(interpolation)
-        self.defaults = defaults or EmbedDefaults(pooling=spec.default_pooling)
+        self.projection = projection  # a full CLIP/SigLIP checkpoint's joint image-text space; else None
+        # every named preset's defaults (vit_backbone.presets); `defaults` = the chosen one's
+        self.presets = presets or {DEFAULT_PRESET: EmbedDefaults(spec.default_pooling, preset=DEFAULT_PRESET)}
+        self.defaults = self.preset_defaults(preset)
         self.autocast = autocast
         self.preprocess_config = preprocess
         # `dynamic`'s default token budget is the grid the checkpoint is *used* at (its processor's output,
@@ -141,10 +148,26 @@ class Backbone:
             raise InvalidOptionError(f"layers {chosen} name the same block twice")
         return resolved
 
-    def choose(self, pooling: str | None, layers: LayersArg) -> tuple[Pooling, list[int] | None]:
-        """The pooling and blocks a call uses: what it asks for, else this backbone's defaults; validated."""
-        chosen = layers if layers is not None else self.defaults.layers
-        return check_pooling(pooling or self.defaults.pooling), self.resolve_layers(chosen)
+    def preset_defaults(self, preset: str | None = None) -> EmbedDefaults:
+        """The defaults of the named preset (None: this backbone's own); InvalidOptionError if unknown."""
+        if preset is None and hasattr(self, "defaults"):
+            return self.defaults
+        return self.presets[check_preset(preset)]
+
+    def choose(
+        self, pooling: str | None, layers: LayersArg, preset: str | None = None
+    ) -> tuple[Pooling, list[int] | None]:
+        """The pooling and blocks a call uses: what it asks for, else the preset's (None: this backbone's
+        defaults); validated."""
+        defaults = self.preset_defaults(preset)
+        chosen_pooling = check_pooling(pooling or defaults.pooling)
+        if chosen_pooling == "projection" and self.projection is None:
+            raise InvalidOptionError(
+                "pooling='projection' needs a full CLIP or SigLIP checkpoint (with its image projection); "
+                "this one has none: use pooling='cls', 'mean' or 'pooler'"
+            )
+        chosen = layers if layers is not None else defaults.layers
+        return chosen_pooling, self.resolve_layers(chosen)
 
     # ------------------------------------------------------------------ forward
     @property
@@ -208,7 +231,12 @@ class Backbone:
             last = self._split(self._final_norm(hidden[-1]), grid, valid)
             per_layer = {i: self._split(self._final_norm(hidden[i + 1]), grid, valid) for i in chosen}
         pooler = getattr(out, "pooler_output", None)
+        projection = None
+        if self.projection is not None:
+            with self._autocast():
+                projection = self.projection(pooler, last.patches, valid)  # [B, E]
         return Features(
+            projection=projection,
             cls=last.cls,
             registers=last.registers,
             patches=last.patches,
@@ -269,7 +297,7 @@ class Backbone:
     ) -> torch.Tensor:
         """One forward pass to one pooled feature per image ([b, F] or [b, h, w, F]); stops at the deepest
         requested block unless the pooling needs the model's own head. ``valid`` [b, h, w]: image patches."""
-        if layers is None or pooling == "pooler":
+        if layers is None or pooling in WHOLE_NETWORK:
             return pool(self.features(pixel_values, layers=layers, valid=valid), pooling, layers)
         return pool_layers(self.layer_features(pixel_values, layers, valid=valid), pooling, layers)
 
@@ -312,8 +340,8 @@ class Backbone:
         items = [images] if isinstance(images, Image.Image | bytes) else list(images)
         return [self.preprocessor(item, policy=chosen_policy, size=size, draft=draft) for item in items]
 
-    def check_policy(self, policy: str | None) -> ResizePolicy:
-        return check_policy(policy or self.defaults.policy)
+    def check_policy(self, policy: str | None, preset: str | None = None) -> ResizePolicy:
+        return check_policy(policy or self.preset_defaults(preset).policy)
 
     def pool(self, features: Features, pooling: Pooling, layers: list[int] | None) -> torch.Tensor:
         return pool(features, pooling, layers)
@@ -360,8 +388,10 @@ class Backbone:
         normalize: bool = False,
         batch_size: int = 8,
         draft: bool = True,
+        preset: str | None = None,
     ) -> np.ndarray:
-        """PIL images or encoded bytes → float32 array [B, F] ([B, h, w, F] for ``patch``), input order."""
+        """PIL images or encoded bytes → float32 array [B, F] ([B, h, w, F] for ``patch``), input order.
+        Options not given come from ``preset`` (vit_backbone.presets; None: this backbone's defaults)."""
         return self.embed_result(
             images,
             pooling=pooling,
@@ -371,6 +401,7 @@ class Backbone:
             normalize=normalize,
             batch_size=batch_size,
             draft=draft,
+            preset=preset,
         ).vectors
 
     def embed_result(
@@ -384,11 +415,13 @@ class Backbone:
         normalize: bool = False,
         batch_size: int = 8,
         draft: bool = True,
+        preset: str | None = None,
     ) -> EmbedResult:
         """``embed`` with the effective grid of every image and the provenance of the vectors."""
         size = square_size(size)  # one number: a square
-        chosen_policy = self.check_policy(policy)
-        chosen_pooling, chosen_layers = self.choose(pooling, layers)
+        defaults = self.preset_defaults(preset)
+        chosen_policy = self.check_policy(policy, preset)
+        chosen_pooling, chosen_layers = self.choose(pooling, layers, preset)
         prepared = self.prepare(images, size=size, policy=chosen_policy, draft=draft)
         vectors = self.embed_prepared(
             prepared, pooling=chosen_pooling, layers=chosen_layers, normalize=normalize, batch_size=batch_size
@@ -406,6 +439,7 @@ class Backbone:
             size=size,
             normalized=normalize,
             interpolation=self.info_interpolation,
+            preset=defaults.preset,
         )
 
     @property
@@ -417,6 +451,8 @@ class Backbone:
         return self.interpolation if self.spec.pos_embed == "learned" else "rope"
 
     def output_dim(self, pooling: Pooling, layers: list[int] | None) -> int:
+        if pooling == "projection" and self.projection is not None:
+            return self.projection.dim or self.dim
         return pooled_dim(pooling, self.dim, 1 if layers is None else len(layers))
 
     # ------------------------------------------------------------------ facts

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .pooling import Pooling
+from .pooling import POOLINGS, Pooling
 from .preprocess import ResizePolicy
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ class EmbedDefaults:
     pooling: Pooling = "cls"
     layers: tuple[int, ...] | None = None
     policy: ResizePolicy = "crop"
+    preset: str = ""  # the named preset these come from (vit_backbone.presets); "" = set by hand
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class EmbedResult:
     size: tuple[int, int] | None
     normalized: bool
     interpolation: str
+    preset: str = ""  # the preset that filled in the options not given (vit_backbone.presets)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class BackboneInfo:
     preprocess: dict[str, Any]
     preprocess_hash: str
     defaults: dict[str, Any] = field(default_factory=dict)
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)  # every preset's defaults, by name
+    poolings: list[str] = field(default_factory=list)  # the poolings this checkpoint offers
+    projection_dim: int | None = None  # width of pooling="projection" (full CLIP/SigLIP); None without it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,9 +114,22 @@ def backbone_info(backbone: Backbone) -> BackboneInfo:
         device=str(backbone.device),
         preprocess=backbone.preprocess_config.to_dict(),
         preprocess_hash=backbone.preprocess_config.hash(),
-        defaults={
-            "pooling": backbone.defaults.pooling,
-            "layers": None if backbone.defaults.layers is None else list(backbone.defaults.layers),
-            "policy": backbone.defaults.policy,
-        },
+        defaults=_defaults_dict(backbone.defaults),
+        presets={name: _defaults_dict(d) for name, d in backbone.presets.items()},
+        poolings=[
+            p
+            for p in POOLINGS
+            if (backbone.spec.has_cls or p not in ("cls", "cls_mean", "linear_eval"))
+            and (p != "projection" or backbone.projection is not None)
+        ],
+        projection_dim=None if backbone.projection is None else backbone.output_dim("projection", None),
     )
+
+
+def _defaults_dict(d: EmbedDefaults) -> dict[str, Any]:
+    return {
+        "pooling": d.pooling,
+        "layers": None if d.layers is None else list(d.layers),
+        "policy": d.policy,
+        "preset": d.preset,
+    }

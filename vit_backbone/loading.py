@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 
-from .backbone import Backbone, EmbedDefaults
+from .backbone import Backbone
 from .checkpoint import (
     check_weights_safe,
     has_tensor_prefix,
@@ -26,8 +26,9 @@ from .checkpoint import (
 )
 from .errors import ModelNotFoundError
 from .model_config import ModelConfig
-from .pooling import check_pooling
-from .specs import FamilySpec, InterpolationRule
+from .presets import resolve_presets
+from .projection import load_projection
+from .specs import InterpolationRule
 
 
 def load_backbone(
@@ -39,34 +40,32 @@ def load_backbone(
     allow_pickle: bool = False,
     cache_dir: Path | None = None,
     autocast: torch.dtype | None = None,
+    preset: str | None = None,
 ) -> Backbone:
-    """Load a ViT-family backbone from a local HF folder, a hub id (local cache first) or `embedded`."""
+    """Load a ViT-family backbone from a local HF folder, a hub id (local cache first) or `embedded`.
+    ``preset`` names its defaults (vit_backbone.presets; None: the current default preset)."""
     checkpoint = resolve_checkpoint(name_or_path, cache_dir=cache_dir)
     config = load_config(checkpoint.path)
     config.spec.resample_method(interpolation)  # validate before paying for the weights
     model = instantiate_model(checkpoint.path, config, allow_pickle=allow_pickle, dtype=dtype)
     model.to(torch.device(device))
-    defaults = _read_defaults(checkpoint.path, config.spec)
+    projection = load_projection(checkpoint.path, config, model)
+    presets = resolve_presets(
+        embedded=checkpoint.source == "embedded",
+        family_pooling=config.spec.default_pooling,
+        has_projection=projection is not None,
+        declared=read_embed_defaults(checkpoint.path),
+    )
     return Backbone(
         model,
         config,
         checkpoint,
         preprocess_config(checkpoint.path, config),
         interpolation=interpolation,
-        defaults=defaults,
+        presets=presets,
+        preset=preset,
         autocast=autocast,
-    )
-
-
-def _read_defaults(folder: Path, spec: FamilySpec) -> EmbedDefaults | None:
-    raw = read_embed_defaults(folder)
-    if not raw:
-        return None
-    layers = raw.get("layers")
-    return EmbedDefaults(
-        pooling=check_pooling(raw.get("pooling", spec.default_pooling)),
-        layers=None if layers is None else tuple(int(i) for i in layers),
-        policy=raw.get("policy", "crop"),
+        projection=projection,
     )
 
 

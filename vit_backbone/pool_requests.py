@@ -14,7 +14,7 @@ import torch
 
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
-from .pooling import Pooling, check_pooling, pool, pool_layers
+from .pooling import WHOLE_NETWORK, Pooling, check_pooling, pool, pool_layers
 
 
 class TokenSource(Protocol):
@@ -63,7 +63,7 @@ def pooled_many(
         chosen = check_pooling(pooling)
         resolved.append((chosen, backbone.resolve_layers(list(layers) if layers is not None else None)))
     union = sorted({i for _, layers in resolved for i in (layers or [backbone.depth - 1])})
-    if any(pooling == "pooler" for pooling, _ in resolved):  # the model's own head: the whole network
+    if any(pooling in WHOLE_NETWORK for pooling, _ in resolved):  # the model's own head: the whole network
         features = backbone.features(pixel_values, layers=union, valid=valid)
         return [pool(features, pooling, layers) for pooling, layers in resolved]
     tokens = backbone.layer_features(pixel_values, union, valid=valid)  # stops at the union's deepest block

@@ -2,6 +2,8 @@
 
 - ``cls``: the CLS token after the final norm.
 - ``pooler``: the model's own pooler_output (ViT's Dense+tanh, SigLIP's attention pooling); last block only.
+- ``projection``: a full CLIP/SigLIP checkpoint's image embedding in the joint image-text space (transformers'
+  ``get_image_features``; :mod:`vit_backbone.projection`); last block only.
 - ``mean``: mean of the patch tokens; CLS and registers excluded. With ``pad``, only the image: each patch
   counts by the fraction of its pixels that are image (``LayerTokens.valid``), so the letterbox never enters
   (``mean``, ``cls_mean``, ``gem`` and ``linear_eval``'s mean part alike).
@@ -27,7 +29,8 @@ import torch
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
 
-Pooling = Literal["cls", "pooler", "mean", "cls_mean", "gem", "patch", "linear_eval"]
+Pooling = Literal["cls", "pooler", "projection", "mean", "cls_mean", "gem", "patch", "linear_eval"]
+WHOLE_NETWORK: tuple[str, ...] = ("pooler", "projection")  # the model's own heads: last block, full forward
 POOLINGS: tuple[str, ...] = get_args(Pooling)
 GEM_P = 3.0
 
@@ -82,6 +85,17 @@ def pool_layer(tokens: LayerTokens, pooling: Pooling) -> torch.Tensor:
 
 def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> torch.Tensor:
     """Pool ``features`` whose ``layers`` already hold every requested block (None = last block)."""
+    if pooling == "projection":
+        if layers is not None:
+            raise InvalidOptionError(
+                "pooling='projection' is the joint image-text embedding of the last block; drop `layers`"
+            )
+        if features.projection is None:
+            raise InvalidOptionError(
+                "pooling='projection' needs a full CLIP or SigLIP checkpoint (with its image projection); "
+                "this one has none: use pooling='cls', 'mean' or 'pooler'"
+            )
+        return features.projection
     if pooling == "pooler":
         if layers is not None:
             raise InvalidOptionError(
@@ -97,8 +111,10 @@ def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> 
 
 def pool_layers(tokens: Mapping[int, LayerTokens], pooling: Pooling, layers: Sequence[int]) -> torch.Tensor:
     """Pool the requested blocks, in the order given."""
-    if pooling == "pooler":
-        raise InvalidOptionError("pooling='pooler' is the model's own head on the last block; drop `layers`")
+    if pooling in WHOLE_NETWORK:
+        raise InvalidOptionError(
+            f"pooling={pooling!r} is the model's own head on the last block; drop `layers`"
+        )
     return _pool_blocks([tokens[i] for i in layers], pooling)
 
 

@@ -38,6 +38,7 @@ def provenance(reference: Backbone, **changes: Any) -> dict[str, Any]:
         "policy": "crop",
         "interpolation": "transformers",
         "precision": "float32",
+        "preset": "default-v2",
     }
     return {**expected, **changes}
 

@@ -139,6 +139,7 @@ async def test_classify_multipart_equals_the_python_api(
         "policy": "crop",
         "precision": "float32",  # computed here (the test server runs float32)
         "head_precision": "float32",  # and when the head was trained
+        "preset": "default-v2",  # the named defaults it was trained under
     }
 
 

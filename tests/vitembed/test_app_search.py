@@ -146,6 +146,7 @@ async def test_image_search_agrees_with_the_library(
         "precision": "float32",
         "model_precision": "float32",
         "index_precision": "float32",
+        "preset": "default-v2",
     }
 
 
@@ -646,6 +647,7 @@ async def test_cli_and_server_on_an_index_with_non_default_options(
         "precision": "float32",
         "model_precision": "float32",
         "index_precision": "float32",
+        "preset": "default-v2",
     }
 
 

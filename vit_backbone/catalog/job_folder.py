@@ -47,6 +47,7 @@ class EmbedSpec:
     normalize: bool = False
     dtype: str = "float32"
     precision: str = "auto"
+    preset: str | None = None  # named defaults for the options not given (None: the backbone's)
 
 
 @dataclass(frozen=True)
@@ -130,15 +131,16 @@ class OutputLock:
 
 def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta:
     """Apply the model's defaults and validate every option before any image is read."""
-    pooling = check_pooling(spec.pooling or backbone.defaults.pooling)
+    defaults = backbone.preset_defaults(spec.preset)
+    pooling = check_pooling(spec.pooling or defaults.pooling)
     if pooling == "patch":
         raise InvalidOptionError(
             "pooling='patch' gives a grid per image, not one vector; a catalog stores one vector per image "
             "(use mean, gem, cls or cls_mean)"
         )
-    requested = list(spec.layers) if spec.layers is not None else backbone.defaults.layers
+    requested = list(spec.layers) if spec.layers is not None else defaults.layers
     layers = backbone.resolve_layers(requested)
-    policy = backbone.check_policy(spec.policy)
+    policy = backbone.check_policy(spec.policy, spec.preset)
     if spec.size is not None:  # a size no image can satisfy is refused now, with the nearest valid sizes
         backbone.preprocessor.target_size(policy, spec.size, spec.size)
     if spec.dtype not in DTYPES:
@@ -154,6 +156,7 @@ def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta
         normalized=spec.normalize,
         dim=backbone.output_dim(pooling, layers),
         dtype=spec.dtype,
+        preset=defaults.preset,
     )
 
 

@@ -18,7 +18,7 @@ META_KEY = b"vitembed"  # Parquet key-value metadata key holding the CatalogMeta
 FORMAT_VERSION = 1
 DTYPES = ("float32", "float16")
 # what makes two sets of vectors comparable (see embed_options_mismatch)
-OPTIONAL = ("format_version", "precision")  # keys a catalog's JSON may lack
+OPTIONAL = ("format_version", "precision", "preset")  # keys a catalog's JSON may lack
 COMPARED = ("revision", "preprocess_hash", "pooling", "layers", "size", "policy", "normalized", "dim")
 
 
@@ -38,6 +38,9 @@ class CatalogMeta:
     # compute precision the vectors were made in ("float32", "bfloat16", …); informational, not compared:
     # bfloat16 vectors keep cosine ≥ 0.999 to float32 ones. None: a catalog written before it was recorded.
     precision: str | None = None
+    # the named defaults (vit_backbone.presets) that filled in the options not given; informational (the
+    # options themselves are stored resolved and compared). None: written before presets existed.
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

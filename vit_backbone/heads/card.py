@@ -48,6 +48,9 @@ class HeadCard:
     # position-table rule the features were made with ("transformers", ..., "rope"); None = not recorded.
     # A backbone with another rule makes other features at non-native sizes: load_head refuses it.
     interpolation: str | None = None
+    # the named defaults (vit_backbone.presets) that filled in the options not given; None: a card written
+    # before presets (its options are stored resolved; an unrecorded policy was default-v1's)
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:

@@ -39,7 +39,7 @@ def head_inputs(card: HeadCard, backbone: Backbone) -> HeadInputs:
         pooling=check_pooling(card.pooling),
         layers=backbone.resolve_layers(list(card.layers) if card.layers is not None else None),
         size=card.size,
-        policy=backbone.check_policy(card.policy),
+        policy=backbone.check_policy(card.policy, card.preset or "default-v1"),
     )
 
 

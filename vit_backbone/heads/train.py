@@ -41,6 +41,7 @@ class TrainOptions:
     layers: tuple[int, ...] | None = None  # None: the backbone's default blocks
     size: tuple[int, int] | None = None  # None: the backbone's default size
     policy: str | None = None  # None: the backbone's default ("squash" for patch heads)
+    preset: str | None = None  # named defaults for the options not given (None: the backbone's)
     val_fraction: float = 0.2
     seed: int = 0
     batch_size: int = 8
@@ -127,6 +128,7 @@ class CardFacts:
     data: str
     precision: str | None
     interpolation: str | None
+    preset: str | None
 
     @classmethod
     def of_backbone(
@@ -159,6 +161,7 @@ class CardFacts:
             data=data,
             precision=precision_label(backbone.autocast),
             interpolation=backbone.info_interpolation,
+            preset=backbone.preset_defaults(options.preset).preset,
         )
 
     def card(
@@ -181,7 +184,8 @@ class CardFacts:
 
 def _layers(backbone: Backbone, options: TrainOptions) -> list[int] | None:
     """The layers a head is trained on: the options', else the backbone's defaults."""
-    return backbone.resolve_layers(options.layers if options.layers is not None else backbone.defaults.layers)
+    defaults = backbone.preset_defaults(options.preset)
+    return backbone.resolve_layers(options.layers if options.layers is not None else defaults.layers)
 
 
 def _features(
@@ -215,11 +219,11 @@ def _train_classifier(
 ) -> TrainResult:
     from ..pooling import check_pooling
 
-    pooling = check_pooling(options.pooling or backbone.defaults.pooling)
+    pooling = check_pooling(options.pooling or backbone.preset_defaults(options.preset).pooling)
     if pooling == "patch":
         raise InvalidOptionError("pooling='patch' gives a grid per image: use --kind patch for dense heads")
     layers = _layers(backbone, options)
-    policy = backbone.check_policy(options.policy)
+    policy = backbone.check_policy(options.policy, options.preset)
     dataset = read_labelled_folder(folder)
     features, stats = _features(
         backbone, dataset.paths, options, cache, pooling=pooling, layers=layers, policy=policy
@@ -316,6 +320,7 @@ def train_from_embeddings(
         data=source,
         precision=precision_label(precision) if precision else None,  # optional in the catalog's metadata
         interpolation=str(interpolation) if interpolation else None,
+        preset=str(meta["preset"]) if meta.get("preset") else None,
     )
     x = table.features
     head = _fit_classifier(options, x[train], y[train], x[val], y[val], facts)

@@ -16,7 +16,15 @@ def configure_dedup(parser: argparse.ArgumentParser) -> None:
     from vit_backbone.catalog.dedup import DEFAULT_BLOCK, DEFAULT_THRESHOLD
 
     parser.add_argument(
-        "catalog", type=Path, metavar="CATALOG_DIR", help="written by `vitembed embed-catalog`"
+        "catalog",
+        type=Path,
+        metavar="CATALOG_DIR",
+        help="written by `vitembed embed-catalog`, or a LanceDB database with --table",
+    )
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="read this LanceDB table (`vitembed index build`) of the database CATALOG_DIR",
     )
     parser.add_argument(
         "--out", required=True, type=Path, help="Parquet file: group, id, similarity_to_representative"
@@ -37,10 +45,18 @@ def configure_dedup(parser: argparse.ArgumentParser) -> None:
 
 
 def run_dedup(args: argparse.Namespace) -> int:
-    from vit_backbone.catalog.dedup import find_duplicates, load_catalog_vectors, write_duplicates
+    from vit_backbone.catalog.dedup import (
+        find_duplicates,
+        load_catalog_vectors,
+        load_table_vectors,
+        write_duplicates,
+    )
 
     started = time.perf_counter()
-    ids, vectors = load_catalog_vectors(args.catalog)
+    if args.table is not None:
+        ids, vectors = load_table_vectors(args.catalog, args.table)
+    else:
+        ids, vectors = load_catalog_vectors(args.catalog)
     found = find_duplicates(vectors, args.threshold, block=args.block)
     summary = write_duplicates(found, ids, args.out, source=str(args.catalog), rows=len(ids))
     summary["seconds"] = round(time.perf_counter() - started, 2)

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vit_backbone.presets import DEFAULT_PRESET, PRESET_NAMES
 from vitembed.cli.options import DEFAULT_DEVICE, DEVICE_HELP, add_layers, add_size
 from vitembed.cli.stop_signals import EXIT_CODES, StopOnSignals
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from vit_backbone.catalog.job_folder import JobFile
     from vit_backbone.catalog.meta import CatalogMeta
 
-POOLING_CHOICES = ("cls", "pooler", "mean", "cls_mean", "gem", "linear_eval")
+POOLING_CHOICES = ("cls", "pooler", "projection", "mean", "cls_mean", "gem", "linear_eval")
 POLICY_CHOICES = ("crop", "squash", "pad", "dynamic", "trim_squash", "trim_pad")
 
 
@@ -47,6 +48,9 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
     add_layers(parser, "block indices (default: the model's)")
     add_size(parser)
     parser.add_argument("--policy", choices=POLICY_CHOICES, help="resize policy (default: the model's)")
+    parser.add_argument(
+        "--preset", choices=PRESET_NAMES, help=f"named defaults for the options not given ({DEFAULT_PRESET})"
+    )
     parser.add_argument("--normalize", action="store_true", help="L2-normalise the vectors")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="storage dtype")
     parser.add_argument(
@@ -187,7 +191,9 @@ def _embed(
     from vitembed.cli.progress import ProgressBar
 
     name, target = parse_model(args.model)
-    spec = EmbedSpec(args.pooling, layers, size, args.policy, args.normalize, args.dtype, args.precision)
+    spec = EmbedSpec(
+        args.pooling, layers, size, args.policy, args.normalize, args.dtype, args.precision, args.preset
+    )
     source = open_source(args.source)
     try:
         device = pick_device(args.device)

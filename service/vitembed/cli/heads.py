@@ -49,6 +49,7 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     add_layers(train)
     add_size(train)
     train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
+    train.add_argument("--preset", default=None, help="named defaults: default-v2 (current) | default-v1")
     train.add_argument("--val-fraction", type=float, default=0.2, help="held-out share for model selection")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--batch-size", type=int, default=8)
@@ -87,6 +88,7 @@ def _train(args: argparse.Namespace) -> int:
         layers=args.layers,
         size=args.size,
         policy=args.policy,
+        preset=args.preset,
         val_fraction=args.val_fraction,
         seed=args.seed,
         batch_size=args.batch_size,

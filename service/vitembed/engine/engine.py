@@ -182,7 +182,7 @@ class Engine:
     def output_dim(self, model: str, options: EmbedOptions) -> int:
         served = self._get(model)
         bb = served.backbone
-        pooling, layers = bb.choose(options.pooling, options.layers)
+        pooling, layers = bb.choose(options.pooling, options.layers, options.preset)
         return bb.output_dim(pooling, layers)
 
     # ----------------------------------------------------------------- the request path
@@ -198,8 +198,8 @@ class Engine:
         served = self._get(model)
         bb = served.backbone
         # validate every option before spending any work on the images
-        pooling, layers = bb.choose(options.pooling, options.layers)
-        policy = bb.check_policy(options.policy)
+        pooling, layers = bb.choose(options.pooling, options.layers, options.preset)
+        policy = bb.check_policy(options.policy, options.preset)
         heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
         if options.size is not None:
             served.check_size(policy, options.size, self.settings.max_tokens_per_image)
@@ -228,6 +228,7 @@ class Engine:
             heads=heads,
             head_outputs=outputs,
             valid=[p.validity() for p in prepared],
+            preset=bb.preset_defaults(options.preset).preset,
         )
 
     async def classify(

@@ -32,6 +32,7 @@ class EmbedOptions:
     policy: str | None = None
     normalize: bool = False
     heads: tuple[str, ...] = ()  # heads computed from the same forward pass
+    preset: str | None = None  # named defaults for the options not given (None: the model's)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class EmbedOutcome:
     heads: tuple[BoundHead, ...] = ()
     head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
     valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
+    preset: str = ""  # the named defaults that filled in the options not given
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ async def embed(
         policy=options.policy,
         normalize=options.normalize,
         heads=options.heads,
+        preset=options.preset,
     )
     if options.heads and wants_npy(request.headers.get("accept")):
         raise ApiError(

@@ -198,6 +198,7 @@ def _provenance(outcome: ClassifyOutcome) -> dict[str, Any]:
         "policy": outcome.head.inputs.policy,
         "precision": precision_label(outcome.precision),
         "head_precision": card.precision,
+        "preset": card.preset,
     }
 
 

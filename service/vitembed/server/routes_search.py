@@ -166,6 +166,7 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
             "precision": precision,
             "model_precision": served.model_precision,
             "index_precision": meta.precision,
+            "preset": meta.preset,
         },
     }
     return JSONResponse(payload)

@@ -24,6 +24,7 @@ OPTION_NAMES = (
     "encoding",
     "return_grid",
     "heads",
+    "preset",
 )
 _MAX_LAYERS = 64
 _MAX_HEADS = 16
@@ -64,7 +65,8 @@ class EmbedOptionsIn(BaseModel):
         None,
         min_length=1,
         max_length=32,
-        description="cls | pooler | mean | cls_mean | gem | patch | linear_eval (default: the model's)",
+        description="cls | pooler | projection | mean | cls_mean | gem | patch | linear_eval "
+        "(default: the model's)",
     )
     layers: tuple[int, ...] | None = Field(
         None, description="0-based blocks, negative from the end: -1, or -4,-3,-2,-1 (a list in JSON)"
@@ -73,7 +75,16 @@ class EmbedOptionsIn(BaseModel):
         None, description="(H, W) in pixels: 224,224 (a list in JSON), or one number for a square"
     )
     policy: str | None = Field(
-        None, min_length=1, max_length=32, description="crop | squash | pad | dynamic (default: the model's)"
+        None,
+        min_length=1,
+        max_length=32,
+        description="crop | squash | pad | dynamic | trim_squash | trim_pad (default: the model's)",
+    )
+    preset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=32,
+        description="named defaults for the options not given: default-v2 (current) | default-v1",
     )
     normalize: bool = Field(False, description="L2-normalise each vector")
     dtype: Dtype = Field("float32", description="float32 | float16 (JSON floats are rounded to it)")
@@ -136,11 +147,12 @@ class EmbedQuery(BaseModel):
 
     model: str | None = Field(None, description="a served model name")
     pooling: str | None = Field(
-        None, description="cls | pooler | mean | cls_mean | gem | patch | linear_eval"
+        None, description="cls | pooler | projection | mean | cls_mean | gem | patch | linear_eval"
     )
     layers: str | None = Field(None, description="-1 or -4,-3,-2,-1")
     size: str | None = Field(None, description="H,W e.g. 224,224, or one number for a square")
-    policy: str | None = Field(None, description="crop | squash | pad | dynamic")
+    policy: str | None = Field(None, description="crop | squash | pad | dynamic | trim_squash | trim_pad")
+    preset: str | None = Field(None, description="default-v2 | default-v1")
     normalize: str | None = Field(None, description="true | false")
     dtype: str | None = Field(None, description="float32 | float16")
     encoding: str | None = Field(None, description="float | base64")
@@ -177,6 +189,7 @@ class Provenance(BaseModel):
     policy: str
     interpolation: str
     precision: str
+    preset: str = Field(description="the named defaults that filled in the options not given")
 
 
 class EmbedResponse(BaseModel):

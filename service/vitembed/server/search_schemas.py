@@ -73,6 +73,9 @@ class SearchProvenance(BaseModel):
     layers: list[int] | None
     size: list[int] | None
     policy: str
+    preset: str | None = Field(
+        None, description="the named defaults the index was built with; null: before presets"
+    )
     normalized: bool
     metric: str
     ann: bool

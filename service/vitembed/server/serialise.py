@@ -85,6 +85,7 @@ def provenance(outcome: EmbedOutcome, dtype: str) -> dict[str, Any]:
         "policy": outcome.policy,
         "interpolation": outcome.interpolation,
         "precision": outcome.precision,
+        "preset": outcome.preset,
     }
 
 

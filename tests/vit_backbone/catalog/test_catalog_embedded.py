@@ -62,7 +62,7 @@ def test_embedded_catalog_equals_library_and_server(
     backbone = load_backbone("embedded")
     meta = catalog.meta
     facts = (meta.model, meta.pooling, meta.layers, meta.policy, meta.dim)
-    assert facts == ("embedded", "mean", [8], "pad", 384)
+    assert facts == ("embedded", "mean", [8], "trim_squash", 384)  # default-v2
     assert meta.revision == backbone.checkpoint.revision
     files = [(folder / i).read_bytes() for i in catalog.ids]
     np.testing.assert_allclose(catalog.embeddings, backbone.embed(files), rtol=0, atol=TOL)

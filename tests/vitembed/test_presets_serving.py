@@ -1,0 +1,107 @@
+"""Named presets and the projection through the real app (in process, real engine, real LanceDB table):
+a full CLIP checkpoint answers /v1/embed and /v1/embeddings with its projected image embedding (default-v2),
+``preset=default-v1`` gives the previous default back, and an index and a head built under default-v1 keep
+serving unchanged now that the default is default-v2 (they store their resolved options)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+from vitembed.cli.main import main
+
+from vit_backbone import load_backbone
+from vit_backbone.catalog.index_build import build_index
+from vit_backbone.catalog.index_search import SimilarityIndex
+from vit_backbone.heads import load_head
+
+if TYPE_CHECKING:
+    from conftest import Images, OpenServer
+
+pytestmark = pytest.mark.anyio
+TOL = 1e-5
+
+
+def _vectors(body: dict) -> np.ndarray:  # type: ignore[type-arg]
+    return np.asarray([item["embedding"] for item in body["data"]], dtype=np.float32)
+
+
+async def test_full_clip_serves_its_projection_and_the_old_default_by_name(
+    serve: OpenServer, tiny_checkpoints: dict[str, Path], images: Images
+) -> None:
+    clip = tiny_checkpoints["clip"]
+    bb = load_backbone(clip)
+    data = [images.jpeg(90, 70, 0), images.jpeg(64, 96, 1)]
+    projection = bb.embed(data, pooling="projection")  # [2, 16]
+    tower_cls = bb.embed(data, pooling="cls")  # [2, 32]
+    payload = {"images": [{"base64": base64.b64encode(d).decode()} for d in data]}
+    async with serve(models={"clip": str(clip)}) as server:
+        response = await server.client.post("/v1/embed", json=payload)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["dim"] == 16 and body["provenance"]["pooling"] == "projection"
+        assert body["provenance"]["preset"] == "default-v2" and body["provenance"]["policy"] == "crop"
+        np.testing.assert_allclose(_vectors(body), projection, rtol=0, atol=TOL)
+
+        response = await server.client.post("/v1/embed", json={**payload, "preset": "default-v1"})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["dim"], body["provenance"]["pooling"], body["provenance"]["preset"]) == (
+            32,
+            "cls",
+            "default-v1",
+        )
+        np.testing.assert_allclose(_vectors(body), tower_cls, rtol=0, atol=TOL)
+
+        uris = [images.data_uri(d) for d in data]
+        response = await server.client.post("/v1/embeddings", json={"input": uris, "model": "clip"})
+        assert response.status_code == 200, response.text
+        openai = np.asarray([item["embedding"] for item in response.json()["data"]], dtype=np.float32)
+        np.testing.assert_allclose(openai, projection, rtol=0, atol=TOL)
+
+        response = await server.client.post("/v1/embed", json={**payload, "preset": "default-v9"})
+        assert response.status_code == 422, response.text
+        assert "default-v1, default-v2" in response.text
+
+
+async def test_an_index_and_a_head_built_under_default_v1_keep_serving(
+    serve: OpenServer, tiny_checkpoints: dict[str, Path], images: Images, tmp_path: Path
+) -> None:
+    clip = tiny_checkpoints["clip"]
+    folder = tmp_path / "photos"
+    (folder / "red").mkdir(parents=True)
+    (folder / "blue").mkdir()
+    for i in range(6):
+        (folder / ("red" if i % 2 else "blue") / f"p{i}.jpg").write_bytes(images.jpeg(60 + 9 * i, 80, seed=i))
+    catalog, db = tmp_path / "cat", tmp_path / "db"
+    argv = ["embed-catalog", str(folder), "--out", str(catalog), "--model", f"clip={clip}"]
+    assert main([*argv, "--preset", "default-v1", "--precision", "float32"]) == 0
+    build_index(catalog, db, "v1")
+    meta = SimilarityIndex.open(db, "v1").meta
+    assert (meta.pooling, meta.layers, meta.policy, meta.preset) == ("cls", None, "crop", "default-v1")
+    head_file = tmp_path / "head.safetensors"
+    train = ["heads", "train", "--data", str(folder), "--out", str(head_file), "--model", str(clip)]
+    assert main([*train, "--preset", "default-v1", "--no-cache", "--val-fraction", "0.34"]) == 0
+    card = load_head(head_file).card
+    assert (card.pooling, card.policy, card.preset, card.feature_dim) == ("cls", "crop", "default-v1", 32)
+
+    query = (folder / "red" / "p3.jpg").read_bytes()
+    async with serve(
+        models={"clip": str(clip)}, indexes={"v1": f"{db}:v1"}, heads={"colour": str(head_file)}
+    ) as server:
+        response = await server.client.post("/v1/search", files=[("image", ("q.jpg", query, "image/jpeg"))])
+        assert response.status_code == 200, response.text
+        body = response.json()
+        top = body["data"][0]["results"][0]
+        assert top["id"].endswith("p3") or top["id"].endswith("p3.jpg"), top
+        assert top["score"] == pytest.approx(1.0, abs=TOL)
+        assert (body["provenance"]["pooling"], body["provenance"]["preset"]) == ("cls", "default-v1")
+        response = await server.client.post(
+            "/v1/classify", files=[("image", ("q.jpg", query, "image/jpeg"))], data={"head": "colour"}
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["provenance"]["preset"] == "default-v1"
+        assert response.json()["provenance"]["pooling"] == "cls"
