@@ -1,5 +1,6 @@
-"""The catalog with the real embedded backbone and its defaults (mean of block 8, pad): each vector equals
-the library's ``Backbone.embed`` and the server's ``/v1/embed`` answer for the same file (float32)."""
+"""The catalog with the real embedded backbone and its defaults (default-v2: mean of block 8, trim_squash):
+each vector equals the library's ``Backbone.embed`` and the server's ``/v1/embed`` answer for the same file
+(float32)."""
 
 from __future__ import annotations
 
