@@ -1,8 +1,13 @@
 """The OpenAPI document is the contract: ``schemathesis run --checks all`` against a real ``vitembed serve``
-(tiny model, 127.0.0.1), with and without an API key, finds no failure; every tested operation gets at
-least 25 requests and at least one 2xx from schema-generated data (the image formats of the schema produce
-real images: tests/vitembed/contract/schemathesis_hooks.py). Plus the schema's own facts: security only
-with a key, the statuses listed, and infinity's ``modality`` field."""
+(tiny model, a LanceDB index and a linear head, 127.0.0.1), with and without an API key, finds no failure
+on any operation of the document; every operation gets at least 25 requests (those without inputs: what
+their few distinct requests make) and at least one 2xx from schema-generated data (the image formats of
+the schema produce real images: tests/vitembed/contract/schemathesis_hooks.py; the index's item ids come
+from the config's dictionaries, as a client that searched would know them). Plus the schema's own facts:
+security only with a key, the statuses listed, and infinity's ``modality`` field.
+
+The explorer page (``/``, ``/explore``, ``/explore/assets/*``) is not in the document
+(``include_in_schema=False``): it is HTML and static files for a browser, not an API."""
 
 from __future__ import annotations
 
@@ -14,8 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
+from heads_synthetic import make_labelled_folder
+from PIL import Image
 from test_server_process import ServerProcess, error_of, server_env, start_server
+from vitembed.cli.main import main
+
+from vit_backbone import Backbone
+from vit_backbone.heads import TrainOptions, save_head, train_head
 
 if TYPE_CHECKING:  # fixtures' types (tests/vitembed/conftest.py)
     from conftest import Images
@@ -23,20 +35,66 @@ if TYPE_CHECKING:  # fixtures' types (tests/vitembed/conftest.py)
 pytest.importorskip("schemathesis", reason="schemathesis is a dev dependency: pip install -e '.[dev]'")
 
 CONTRACT = Path(__file__).resolve().parent / "contract"
-OPERATIONS = r"^/(health|ready|metrics|v1/models|v1/embeddings)$"
+EXPECTED = {
+    "GET /health",
+    "GET /ready",
+    "GET /metrics",
+    "GET /v1/models",
+    "POST /v1/embed",
+    "POST /v1/embeddings",
+    "POST /v1/search",
+    "GET /v1/indexes",
+    "POST /v1/classify",
+    "POST /v1/patch-features",
+    "POST /v1/patch-similarity",
+    "GET /v1/indexes/{index}/thumbnail",
+}
 KEY = "contract-test-key"
-WITH_INPUTS = {"POST /v1/embeddings"}
+WITHOUT_INPUTS = {"GET /health", "GET /ready", "GET /metrics", "GET /v1/models", "GET /v1/indexes"}
 
 
 @pytest.fixture(scope="module")
-def open_server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_server(tiny_path, tmp_path_factory.mktemp("serve-contract"))
+def served_data(tiny_path: Path, reference: Backbone, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``--index photos=...`` over four noise JPEGs p0.jpg..p3.jpg (the ids schemathesis.toml names) and
+    ``--head shapes=...``, a linear head trained on generated shapes: the flags of the test servers."""
+    root = tmp_path_factory.mktemp("contract-data")
+    photos = root / "photos"
+    photos.mkdir()
+    for i in range(4):
+        pixels = np.random.default_rng(i).integers(0, 256, (64 + 8 * i, 80, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(photos / f"p{i}.jpg")
+    tiny = f"tiny={tiny_path}"
+    embed = [
+        "embed-catalog",
+        str(photos),
+        "--out",
+        str(root / "cat"),
+        "--model",
+        tiny,
+        "--precision",
+        "float32",
+    ]
+    assert main(embed) == 0
+    assert main(["index", "build", str(root / "cat"), "--db", str(root / "db"), "--table", "photos"]) == 0
+    labelled = make_labelled_folder(root / "labelled", per_class=4)
+    head = train_head(reference, labelled, TrainOptions(kind="linear", pooling="mean", layers=(0, 1))).head
+    save_head(head, root / "shapes.safetensors")
+    return ["--index", f"photos={root / 'db'}:photos", "--head", f"shapes={root / 'shapes.safetensors'}"]
+
+
+@pytest.fixture(scope="module")
+def open_server(
+    tiny_path: Path, served_data: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    server = start_server(tiny_path, tmp_path_factory.mktemp("serve-contract"), *served_data)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def keyed_server(
+    tiny_path: Path, served_data: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """The API key has no flag (it would show in the process list): it goes in VITEMBED_API_KEY, which the
     shared starter builds from ``server_env``."""
     import test_server_process
@@ -44,7 +102,7 @@ def keyed_server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     original = test_server_process.server_env
     test_server_process.server_env = lambda **extra: original(VITEMBED_API_KEY=KEY, **extra)
     try:
-        server = start_server(tiny_path, tmp_path_factory.mktemp("serve-contract-key"))
+        server = start_server(tiny_path, tmp_path_factory.mktemp("serve-contract-key"), *served_data)
     finally:
         test_server_process.server_env = original
     yield server
@@ -62,7 +120,6 @@ def run_schemathesis(server: ServerProcess, report_dir: Path, *headers: str) -> 
         "run", f"{server.url}/openapi.json",
         "--checks", "all",
         "--max-examples", "25",
-        "--include-path-regex", OPERATIONS,
         "--seed", "12",
         "--generation-database", "none",
         "--no-color",
@@ -87,18 +144,21 @@ def run_schemathesis(server: ServerProcess, report_dir: Path, *headers: str) -> 
 
 
 def check_coverage(statuses: Statuses) -> None:
-    expected = {"GET /health", "GET /ready", "GET /metrics", "GET /v1/models", "POST /v1/embeddings"}
-    assert set(statuses) == expected, statuses
+    statuses.pop("Stateful tests", None)  # sequences of the operations above, through the schema's links
+    print({label: dict(counts) for label, counts in statuses.items()})  # shown with -s, and on failure
+    assert set(statuses) == EXPECTED, statuses
     for label, counts in statuses.items():
-        if label in WITH_INPUTS:  # an operation without parameters or body has few distinct requests
+        if label not in WITHOUT_INPUTS:  # an operation without parameters or body has few distinct requests
             assert sum(counts.values()) >= 25, (label, counts)
         assert any(200 <= status < 300 for status in counts), (label, counts)
 
 
+@pytest.mark.slow  # about a minute each (12 operations, 25 examples), plus the servers' start
 def test_schemathesis_finds_no_failure_without_an_api_key(open_server: ServerProcess, tmp_path: Path) -> None:
     check_coverage(run_schemathesis(open_server, tmp_path))
 
 
+@pytest.mark.slow  # about a minute each (12 operations, 25 examples), plus the servers' start
 def test_schemathesis_finds_no_failure_with_an_api_key(keyed_server: ServerProcess, tmp_path: Path) -> None:
     check_coverage(run_schemathesis(keyed_server, tmp_path, f"Authorization: Bearer {KEY}"))
 
@@ -123,6 +183,33 @@ def test_security_and_statuses_follow_the_configuration(
                     for status in ("400", "408", "413", "415", "422", "429", "503", "504"):
                         assert status in operation["responses"], (where, status)
                     assert operation["responses"]["429"]["headers"]["Retry-After"]["required"] is True
+                if method == "get":  # no body: no body statuses, no admission
+                    for status in ("400", "408", "413", "415", "429"):
+                        assert status not in operation["responses"], (where, status)
+    thumbnail = unkeyed["paths"]["/v1/indexes/{index}/thumbnail"]["get"]["responses"]
+    assert sorted(thumbnail) == ["200", "404", "409", "422", "500", "503", "504"]
+    assert sorted(unkeyed["paths"]["/v1/indexes"]["get"]["responses"]) == ["200", "409", "500", "503", "504"]
+    for path, most in (("/v1/classify", 64), ("/v1/search", 64), ("/v1/patch-features", 1)):
+        content = unkeyed["paths"][path]["post"]["requestBody"]["content"]
+        form = content["multipart/form-data"]
+        assert form["schema"]["required"][0] == "image" and form["schema"]["additionalProperties"] is False
+        assert (
+            form["schema"]["properties"]["image"]["minItems"],
+            form["schema"]["properties"]["image"]["maxItems"],
+        ) == (1, most)
+        assert form["encoding"]["image"]["contentType"].startswith("image/jpeg")
+    features = unkeyed["paths"]["/v1/patch-features"]["post"]["requestBody"]["content"]["application/json"]
+    assert features["schema"]["properties"]["images"]["maxItems"] == 1
+    assert features["schema"]["properties"]["policy"]["anyOf"][0]["enum"] == [
+        "crop",
+        "squash",
+        "pad",
+        "dynamic",
+    ]
+    embed = unkeyed["paths"]["/v1/embed"]["post"]
+    pooling = next(p for p in embed["parameters"] if p["name"] == "pooling")["schema"]
+    assert {"cls", "mean", "patch"} <= set(pooling["enum"])
+    assert unkeyed["components"]["schemas"]["EmbedJsonRequest"]["properties"]["images"]["minItems"] == 1
     body = unkeyed["components"]["schemas"]["OpenAIEmbeddingRequest"]["properties"]
     assert body["input"]["anyOf"][1]["minItems"] == 1 and body["input"]["anyOf"][1]["maxItems"] == 64
     assert body["modality"]["anyOf"][0]["enum"] == ["image"]

@@ -4,9 +4,13 @@
 - Every status a route can return is listed with the shared error schema: the middleware's (``408`` for a
   body or head that does not arrive, ``413`` for a declared body over the limit, ``503`` ``server_busy``
   or ``not_ready``, ``500``) as well as the route's own; ``429`` declares its ``Retry-After``.
+  Each operation lists exactly the statuses it can answer (``_ROUTE_STATUSES``); a GET takes no body, so
+  it lists no body statuses.
 - Request bodies say what is required: ``/v1/embeddings`` takes one data URI or a non-empty list of at
   most ``max_images_per_request`` (format ``image-data-uri``), ``"modality": "image"`` and no
-  ``dimensions``; ``/v1/embed`` takes at least one image part (``image/*``) or JSON image.
+  ``dimensions``; the image routes take at least one (the explorer's: exactly one) image part
+  (``image/*``) or JSON image, with their options typed (``openapi_bodies.py``); ``maxItems`` is the
+  server's ``max_images_per_request``.
 
 Custom string formats (``image-data-uri``, ``image-base64``) name what a generator must produce; a schema
 validator that does not know them ignores them, and the ``pattern`` beside them states the shape.
@@ -17,6 +21,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pydantic import BaseModel
+
+from vitembed.server.openapi_bodies import json_images, json_properties, typed_parameters
+from vitembed.server.routes_heads import ClassifyOptionsIn
+from vitembed.server.schemas import EmbedOptionsIn
 from vitembed.settings import ServiceSettings
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -28,29 +37,46 @@ EXAMPLE_PNG_BASE64 = (
     "iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAAGUlEQVR4nGM8UaHBQApgIkn1qIZRDUNKAwCAnAGIOXIt/QAAAABJRU5E"
     "rkJggg=="
 )
-IMAGE_MEDIA_TYPES = "image/jpeg, image/png, image/webp, image/gif, image/bmp, image/tiff"
 
 _DESCRIPTIONS = {
     400: "bad body: not JSON/multipart, no images, invalid base64, undecodable image",
     401: "missing or wrong bearer token",
-    404: "unknown model, head or index",
+    404: "unknown model, head, index or index item",
+    409: "the index was rebuilt in a way the served models cannot query (index_changed)",
     408: "the body (body_timeout_s) did not arrive in time; the connection is closed",
     413: "body over max_body_bytes, too many images, or an image over the byte limit",
     415: "wrong Content-Type or an image format that is not accepted",
     422: "options that cannot be honoured, an image over the pixel / aspect-ratio limits, a bad header",
     429: "refused at admission before decoding (overloaded, deadline_too_short, queue_full); see Retry-After",
     500: "internal error, or non-finite model output (code non_finite)",
-    503: "models not ready, or max_concurrent_requests in flight (server_busy, with Retry-After)",
+    503: "models not ready, max_concurrent_requests in flight (server_busy, with Retry-After), or the "
+    "index's table was dropped (index_dropped)",
     504: "the request deadline (request_timeout_s or X-Request-Timeout) passed",
 }
 _RETRY_AFTER = {
     "description": "whole seconds after which the request would fit",
     "schema": {"type": "string", "pattern": "^[0-9]+$"},
 }
-# what every operation can answer, whatever its route: the middleware's and the last-resort answers
+# what every operation can answer, whatever its route: the last-resort 500; every /v1 route also 503
+# (server_busy) and, with a key, 401; a route reading a body 400, 408, 413, 415, 422 and 504
 _ANY_ROUTE = (500,)
 _V1_ROUTE = (500, 503)
-_WITH_BODY = (400, 408, 413, 415, 422, 429, 504)
+_WITH_BODY = (400, 408, 413, 415, 422, 504)
+# what each route adds: 404 (unknown model / head / index / item), 409 (index_changed), 429 (admission),
+# 422 (query parameters, X-Request-Timeout), 504 (search pool past the deadline)
+_ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
+    ("get", "/ready"): (503,),
+    ("post", "/v1/embed"): (404, 429),
+    ("post", "/v1/embeddings"): (404, 429),
+    ("post", "/v1/search"): (404, 409, 429),
+    ("get", "/v1/indexes"): (409, 504),
+    ("post", "/v1/classify"): (404, 429),
+    ("post", "/v1/patch-features"): (404, 429),
+    ("post", "/v1/patch-similarity"): (404, 409, 429),
+    ("get", "/v1/indexes/{index}/thumbnail"): (404, 409, 422, 504),
+}
+# routes whose query parameters are their options as text
+_QUERY_OPTIONS: dict[str, type[BaseModel]] = {"/v1/embed": EmbedOptionsIn, "/v1/classify": ClassifyOptionsIn}
 
 
 def error_response(status: int, *, required_retry_after: bool = False) -> dict[str, Any]:
@@ -81,13 +107,15 @@ def make_contract(schema: dict[str, Any], settings: ServiceSettings) -> dict[str
             if not keyed:
                 operation.pop("security", None)
             _list_statuses(path, method, operation, keyed)
+            _limit_images(operation, settings.max_images_per_request)
+            if path in _QUERY_OPTIONS:
+                typed_parameters(operation.get("parameters", []), _QUERY_OPTIONS[path])
     _openai_body(components.get("schemas", {}), settings)
     _embed_bodies(schema, settings)
     return schema
 
 
-def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: bool) -> None:
-    responses: dict[str, Any] = operation.setdefault("responses", {})
+def _statuses(path: str, method: str, operation: dict[str, Any], keyed: bool) -> set[int]:
     statuses: set[int] = set(_ANY_ROUTE)
     if path.startswith("/v1/"):
         statuses |= set(_V1_ROUTE)
@@ -95,23 +123,39 @@ def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: boo
             statuses.add(401)
         if method in ("post", "put", "patch"):
             statuses |= set(_WITH_BODY)
-        if any(part.startswith("{") for part in path.split("/")) or method == "post":
-            statuses.add(404)
-        if operation.get("parameters"):
-            statuses.add(422)
-    elif path == "/ready":
-        statuses.add(503)
+    own = _ROUTE_STATUSES.get((method, path))
+    if own is not None:
+        return statuses | set(own)
+    # a route not in the table (yet): the general rule
+    if path.startswith("/v1/") and method == "post":
+        statuses |= {404, 429}
+    if any(part.startswith("{") for part in path.split("/")):
+        statuses.add(404)
+    if operation.get("parameters"):
+        statuses.add(422)
+    return statuses
+
+
+def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: bool) -> None:
+    """Exactly the error statuses of ``_statuses``, each with the shared schema (and its headers)."""
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+    statuses = _statuses(path, method, operation, keyed)
+    for code in [code for code in responses if code.isdigit() and int(code) >= 400]:
+        if int(code) not in statuses:
+            del responses[code]
     for status in sorted(statuses):
-        existing = responses.get(str(status))
-        fresh = error_response(status)
-        if existing is None:
-            responses[str(status)] = fresh
-        else:  # keep a route's own description, with the shared schema and headers
-            existing.setdefault("content", fresh["content"])
-            if "headers" in fresh:
-                existing.setdefault("headers", fresh["headers"])
-    if not keyed:
-        responses.pop("401", None)
+        responses[str(status)] = error_response(status)
+
+
+def _limit_images(operation: dict[str, Any], max_images: int) -> None:
+    """``maxItems`` of the image lists of the request body (unless the route takes exactly one)."""
+    for content in operation.get("requestBody", {}).get("content", {}).values():
+        properties = content.get("schema", {}).get("properties", {})
+        candidates = [properties.get("image"), properties.get("images")]
+        candidates += (properties.get("images") or {}).get("anyOf", [])
+        for images in candidates:
+            if isinstance(images, dict) and images.get("type") == "array" and "maxItems" not in images:
+                images["maxItems"] = max_images
 
 
 def data_uri_schema() -> dict[str, Any]:
@@ -152,20 +196,14 @@ def _openai_body(schemas: dict[str, Any], settings: ServiceSettings) -> None:
 
 
 def _embed_bodies(schema: dict[str, Any], settings: ServiceSettings) -> None:
-    operation = schema.get("paths", {}).get("/v1/embed", {}).get("post")
-    if operation is None:
-        return
-    content = operation.get("requestBody", {}).get("content", {})
-    form = content.get("multipart/form-data")
-    if form is not None:
-        image = form["schema"]["properties"]["image"]
-        image.update(minItems=1, maxItems=settings.max_images_per_request)
-        form["encoding"] = {"image": {"contentType": IMAGE_MEDIA_TYPES}}
-    images = schema.get("components", {}).get("schemas", {}).get("EmbedJsonRequest", {})
-    listed = images.get("properties", {}).get("images")
-    if listed is not None:
-        listed.update(minItems=1, maxItems=settings.max_images_per_request)
-    image_in = schema.get("components", {}).get("schemas", {}).get("ImageIn", {})
+    """The JSON body of ``/v1/embed`` (component ``EmbedJsonRequest``) with the typed options and the image
+    limits; ``ImageIn.base64`` is an encoded image (format ``image-base64``)."""
+    schemas = schema.get("components", {}).get("schemas", {})
+    body = schemas.get("EmbedJsonRequest")
+    if body is not None:
+        images = dict(json_images(), maxItems=settings.max_images_per_request)
+        body["properties"] = {**json_properties(EmbedOptionsIn), "images": images}
+    image_in = schemas.get("ImageIn", {})
     encoded = image_in.get("properties", {}).get("base64")
     if encoded is not None:
         encoded.update(format="image-base64", minLength=1, examples=[EXAMPLE_PNG_BASE64])

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
@@ -13,6 +13,7 @@ from vitembed.server.auth import require_api_key
 from vitembed.server.body_parser import is_json, media_type, merge_options, parse_embed_json, parse_multipart
 from vitembed.server.deadlines import request_deadline
 from vitembed.server.errors import ApiError
+from vitembed.server.openapi_bodies import image_request_body
 from vitembed.server.plumbing import (
     ERROR_RESPONSES,
     JSON_MEDIA_TYPE,
@@ -26,22 +27,17 @@ from vitembed.server.plumbing import (
     unsupported_media_type,
     wants_npy,
 )
-from vitembed.server.schemas import EmbedQuery, EmbedResponse
+from vitembed.server.schemas import EmbedOptionsIn, EmbedQuery, EmbedResponse
 from vitembed.server.serialise import NPY_MEDIA_TYPE, embed_json, embed_npy, timed
 
 embed_router = APIRouter(prefix="/v1", tags=["embeddings"], dependencies=[Depends(require_api_key)])
 
-_EMBED_FORM_SCHEMA = {
-    "type": "object",
-    "required": ["image"],
-    "properties": {
-        "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
-        **{
-            name: {"type": "string", "description": str(field.description or "")}
-            for name, field in EmbedQuery.model_fields.items()
-        },
-    },
-}
+
+def _embed_body() -> dict[str, Any]:
+    """Multipart parts or JSON (the ``EmbedJsonRequest`` component, made exact by ``openapi.py``)."""
+    body = image_request_body(EmbedOptionsIn)
+    body["content"][JSON_MEDIA_TYPE] = {"schema": {"$ref": "#/components/schemas/EmbedJsonRequest"}}
+    return body
 
 
 @embed_router.post(
@@ -51,15 +47,7 @@ _EMBED_FORM_SCHEMA = {
         200: {"content": {NPY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
         **ERROR_RESPONSES,
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "multipart/form-data": {"schema": _EMBED_FORM_SCHEMA},
-                JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/EmbedJsonRequest"}},
-            },
-        }
-    },
+    openapi_extra={"requestBody": _embed_body()},
 )
 async def embed(
     request: Request,

@@ -54,6 +54,7 @@ from vitembed.server.index_access import (
     served_indexes,
     table_errors,
 )
+from vitembed.server.openapi_bodies import image_request_body
 from vitembed.server.plumbing import (
     ERROR_RESPONSES,
     EngineDep,
@@ -299,9 +300,7 @@ async def asset(name: str) -> Response:
     "/patch-features",
     response_model=PatchFeaturesResponse,
     responses=ERROR_RESPONSES,
-    openapi_extra={
-        "requestBody": {"required": True, "content": {"multipart/form-data": {}, "application/json": {}}}
-    },
+    openapi_extra={"requestBody": image_request_body(FeatureOptionsIn, one=True)},
 )
 async def patch_features(request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     """One image (multipart part ``image`` or JSON ``{"images": [{"base64"}]}``) → what the model sees under
@@ -377,9 +376,7 @@ async def _item_bytes(
     "/patch-similarity",
     response_model=PatchSimilarityResponse,
     responses=ERROR_RESPONSES,
-    openapi_extra={
-        "requestBody": {"required": True, "content": {"multipart/form-data": {}, "application/json": {}}}
-    },
+    openapi_extra={"requestBody": image_request_body(SimilarityOptionsIn, one=True)},
 )
 async def patch_similarity_route(request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     """Where they match: the query image's patch (``row``, ``col``) of block ``layer`` against every patch of

@@ -32,6 +32,7 @@ from vitembed.server.auth import require_api_key
 from vitembed.server.body_parser import is_json, media_type, merge_into, parse_embed_json, parse_multipart
 from vitembed.server.deadlines import budget_s, request_deadline
 from vitembed.server.errors import ApiError
+from vitembed.server.openapi_bodies import image_request_body
 from vitembed.server.plumbing import (
     JSON_MEDIA_TYPE,
     EngineDep,
@@ -89,42 +90,10 @@ def _head_name(engine: Engine, asked: str | None) -> str:
     raise ApiError(422, "head_required", f"several heads are served; name one with head=: {', '.join(names)}")
 
 
-_OPTION_SCHEMAS = {
-    name: {"type": "string", "description": str(field.description or "")}
-    for name, field in ClassifyQuery.model_fields.items()
-}
-_BODY = {
-    "required": True,
-    "content": {
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "required": ["image"],
-                "properties": {"image": {"type": "array", "items": {"type": "string", "format": "binary"}}}
-                | _OPTION_SCHEMAS,
-            }
-        },
-        JSON_MEDIA_TYPE: {
-            "schema": {
-                "type": "object",
-                "required": ["images"],
-                "properties": {
-                    "images": {
-                        "type": "array",
-                        "items": {"type": "object", "properties": {"base64": {"type": "string"}}},
-                    }
-                }
-                | _OPTION_SCHEMAS,
-            }
-        },
-    },
-}
-
-
 @heads_router.post(
     "/classify",
     responses={200: {"content": {NPY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
-    openapi_extra={"requestBody": _BODY},
+    openapi_extra={"requestBody": image_request_body(ClassifyOptionsIn)},
 )
 async def classify(
     request: Request,

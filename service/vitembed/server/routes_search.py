@@ -82,7 +82,7 @@ def _parse_json(body: bytes, max_images: int) -> tuple[list[bytes], list[float] 
     "/search",
     response_model=SearchResponse,
     responses=ERROR_RESPONSES,
-    openapi_extra={"requestBody": {"required": True, "content": SEARCH_BODY}},
+    openapi_extra={"requestBody": SEARCH_BODY},
 )
 async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     """Top-k similar items of an index for query images (multipart parts named ``image``, or JSON

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vit_backbone.catalog.index_search import MAX_K, MAX_NPROBES
+from vitembed.server.openapi_bodies import image_request_body, json_images
 from vitembed.server.schemas import fold_aliases
 
 MAX_WHERE_CHARS = 1024
@@ -114,33 +115,20 @@ class IndexList(BaseModel):
     data: list[IndexCard]
 
 
-_OPTION_PROPERTIES = SearchOptionsIn.model_json_schema()["properties"]
-_IMAGES_SCHEMA = {
-    "type": "array",
-    "items": {"type": "object", "required": ["base64"], "properties": {"base64": {"type": "string"}}},
-}
-SEARCH_BODY = {
-    "multipart/form-data": {
-        "schema": {
-            "type": "object",
-            "required": ["image"],
-            "properties": {
-                "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
-                **{
-                    name: {"type": "string", "description": p.get("description", "")}
-                    for name, p in _OPTION_PROPERTIES.items()
-                },
-            },
-        }
-    },
-    "application/json": {
-        "schema": {
-            "type": "object",
-            "properties": {
-                "images": _IMAGES_SCHEMA,
-                "vector": {"type": "array", "items": {"type": "number"}},
-                **_OPTION_PROPERTIES,
-            },
-        }
-    },
-}
+def _search_body() -> dict[str, Any]:
+    """Query images as multipart parts or JSON ``images``, or one JSON ``vector``: exactly one of them."""
+    body = image_request_body(SearchOptionsIn)
+    schema = body["content"]["application/json"]["schema"]
+    schema["required"] = []
+    schema["properties"]["images"] = {"anyOf": [json_images(), {"type": "null"}]}
+    schema["properties"]["vector"] = {
+        "anyOf": [{"type": "array", "items": {"type": "number"}, "minItems": 1}, {"type": "null"}],
+        "description": "one query vector instead of images (the index's width)",
+    }
+    schema["oneOf"] = [
+        {"required": [name], "properties": {name: {"type": "array"}}} for name in ("images", "vector")
+    ]
+    return body
+
+
+SEARCH_BODY = _search_body()
