@@ -28,6 +28,7 @@ from vitembed.cli.main import main
 
 from vit_backbone import Backbone
 from vit_backbone.heads import TrainOptions, save_head, train_head
+from vit_backbone.preprocess import RESIZE_POLICIES
 
 if TYPE_CHECKING:  # fixtures' types (tests/vitembed/conftest.py)
     from conftest import Images
@@ -200,12 +201,8 @@ def test_security_and_statuses_follow_the_configuration(
         assert form["encoding"]["image"]["contentType"].startswith("image/jpeg")
     features = unkeyed["paths"]["/v1/patch-features"]["post"]["requestBody"]["content"]["application/json"]
     assert features["schema"]["properties"]["images"]["maxItems"] == 1
-    assert features["schema"]["properties"]["policy"]["anyOf"][0]["enum"] == [
-        "crop",
-        "squash",
-        "pad",
-        "dynamic",
-    ]
+    assert features["schema"]["properties"]["policy"]["anyOf"][0]["enum"] == list(RESIZE_POLICIES)
+    assert {"crop", "squash", "pad", "dynamic"} <= set(RESIZE_POLICIES)
     embed = unkeyed["paths"]["/v1/embed"]["post"]
     pooling = next(p for p in embed["parameters"] if p["name"] == "pooling")["schema"]
     assert {"cls", "mean", "patch"} <= set(pooling["enum"])
