@@ -39,6 +39,7 @@ def provenance(reference: Backbone, **changes: Any) -> dict[str, Any]:
         "interpolation": "transformers",
         "precision": "float32",
         "preset": "default-v2",
+        "precision_cosine": None,
     }
     return {**expected, **changes}
 
@@ -223,7 +224,11 @@ async def test_health_ready_models_and_metrics(server: Server, reference: Backbo
         "owned_by": "vitembed",
         "default": True,
     }
-    assert card["info"] == {**json.loads(json.dumps(reference.info().to_dict())), "precision": "float32"}
+    assert card["info"] == {
+        **json.loads(json.dumps(reference.info().to_dict())),
+        "precision": "float32",
+        "precision_cosine": None,
+    }
 
     before = await server.metric("vitembed_requests_total", route="/v1/embed", status="415")
     await server.client.post("/v1/embed", content=b"x", headers={"Content-Type": "text/plain"})

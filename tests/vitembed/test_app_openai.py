@@ -36,13 +36,20 @@ async def test_openai_client_round_trips_base64_and_float(
 ) -> None:
     batch = [images.jpeg(90, 70, 0), images.png(70, 90, 1)]
     uris = [images.data_uri(batch[0]), images.data_uri(batch[1], "image/png")]
-    expected = reference.embed(batch)  # [2, 32]
+    expected = reference.embed(batch, normalize=True)  # [2, 32]: unit vectors, as OpenAI's embeddings are
     client = client_for(server)
     default = await client.embeddings.create(model="tiny", input=uris)  # the client asks for base64
     assert default.model == "tiny" and default.object == "list"
     assert [d.index for d in default.data] == [0, 1]
     assert default.usage.prompt_tokens == 0 and default.usage.total_tokens == 0
-    np.testing.assert_allclose(np.asarray([d.embedding for d in default.data]), expected, atol=TOL, rtol=0)
+    got = np.asarray([d.embedding for d in default.data])
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+    raw = await client.embeddings.create(model="tiny", input=uris, extra_body={"normalize": False})
+    np.testing.assert_allclose(
+        np.asarray([d.embedding for d in raw.data]), reference.embed(batch), atol=TOL, rtol=0
+    )
 
     as_float = await client.embeddings.create(model="tiny", input=uris[0], encoding_format="float")
     np.testing.assert_allclose(np.asarray(as_float.data[0].embedding), expected[0], atol=TOL, rtol=0)
@@ -67,7 +74,7 @@ async def test_raw_shape_and_base64_is_float32_little_endian(
     [item] = body["data"]
     assert set(item) == {"object", "index", "embedding"} and item["object"] == "embedding"
     vector = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
-    np.testing.assert_allclose(vector, reference.embed([data])[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(vector, reference.embed([data], normalize=True)[0], atol=TOL, rtol=0)
 
 
 async def test_dimensions_is_refused(server: Server, images: Images, err: Err) -> None:

@@ -144,6 +144,7 @@ async def test_image_search_agrees_with_the_library(
         "metric": "cosine",
         "ann": False,
         "precision": "float32",
+        "precision_cosine": None,
         "model_precision": "float32",
         "index_precision": "float32",
         "preset": "default-v2",
@@ -575,7 +576,7 @@ async def test_default_precision_server_still_finds_each_image_first(
             assert top["id"] == item and top["score"] >= 0.999
             provenance = body["provenance"]
             assert provenance["model_precision"] in ("float32", "bfloat16")
-            assert provenance["precision"].split(" ")[0] == provenance["model_precision"]
+            assert provenance["precision"] == provenance["model_precision"]
             assert provenance["index_precision"] == "float32"
 
 
@@ -645,6 +646,7 @@ async def test_cli_and_server_on_an_index_with_non_default_options(
         "metric": "dot",
         "ann": False,
         "precision": "float32",
+        "precision_cosine": None,
         "model_precision": "float32",
         "index_precision": "float32",
         "preset": "default-v2",

@@ -3,7 +3,8 @@ table's vectors were.
 
 Scores are similarities, higher is better, never LanceDB's raw distances:
 
-- ``cosine``: the cosine of the angle, in [-1, 1]. LanceDB's cosine distance is ``1 - cos``.
+- ``cosine``: the cosine of the angle, in [-1, 1] (clipped there: float32 rounding makes an image's own
+  row score 1.0000001 otherwise). LanceDB's cosine distance is ``1 - cos``.
 - ``dot``: the inner product. LanceDB's dot "distance" is ``1 - dot`` (measured against numpy; see the
   tests), so both convert with ``score = 1 - distance``.
 
@@ -315,7 +316,7 @@ class SimilarityIndex:
             raise IndexStoreError(
                 f"searching table {self.name!r} failed: {' '.join(str(exc).split())[:300]}"
             ) from exc
-        return _hits(result)
+        return _hits(result, clip=self.metric == "cosine" or self.meta.normalized)
 
     def rank_all(self, vector: Any) -> list[Hit]:
         """Every row, best first, by exact search (evaluation: mAP needs the whole ranking)."""
@@ -347,15 +348,16 @@ class SimilarityIndex:
         }
 
 
-def _hits(result: Any) -> list[Hit]:
-    """LanceDB's result rows as hits; ``score = 1 - _distance`` for both cosine and dot (module docstring)."""
+def _hits(result: Any, *, clip: bool) -> list[Hit]:
+    """LanceDB's result rows as hits; ``score = 1 - _distance`` for both cosine and dot (module docstring),
+    clipped to [-1, 1] where it is a cosine (a cosine table, or unit vectors and unit queries)."""
     columns = [c for c in result.column_names if c not in ("id", "vector", "_distance")]
     ids = result.column("id").to_pylist()
-    distances = result.column("_distance").to_numpy()  # [n]
+    scores = 1.0 - result.column("_distance").to_numpy().astype(np.float64)  # [n]
+    if clip:
+        scores = np.clip(scores, -1.0, 1.0)  # [n]
     extra = {c: result.column(c).to_pylist() for c in columns}
-    return [
-        Hit(ids[i], 1.0 - float(distances[i]), {c: extra[c][i] for c in columns}) for i in range(len(ids))
-    ]
+    return [Hit(ids[i], float(scores[i]), {c: extra[c][i] for c in columns}) for i in range(len(ids))]
 
 
 # ------------------------------------------------------------------------------------------- queries

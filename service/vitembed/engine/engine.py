@@ -133,7 +133,11 @@ class Engine:
         """Each model's facts and precision, plus ``heads`` (name -> card) for a model that has heads."""
         infos: dict[str, dict[str, Any]] = {}
         for name, served in self._served.items():
-            infos[name] = {**served.backbone.info().to_dict(), "precision": served.precision.describe()}
+            infos[name] = {
+                **served.backbone.info().to_dict(),
+                "precision": served.precision.label,
+                "precision_cosine": served.precision.min_cosine,
+            }
             heads = {h.name: card_json(h.card) for h in self._heads.values() if h.model == name}
             if heads:
                 infos[name]["heads"] = heads
@@ -224,7 +228,8 @@ class Engine:
             policy=policy,
             normalized=options.normalize,
             interpolation=bb.info_interpolation,
-            precision=served.precision.describe(),
+            precision=served.precision.label,
+            precision_cosine=served.precision.min_cosine,
             heads=heads,
             head_outputs=outputs,
             valid=[p.validity() for p in prepared],
@@ -254,7 +259,8 @@ class Engine:
             head=bound,
             outputs=[row[1][head] for row in rows],
             source_sizes=[p.source_size for p in prepared],
-            precision=served.precision.describe(),
+            precision=served.precision.label,
+            precision_cosine=served.precision.min_cosine,
         )
 
     async def _run(

@@ -47,11 +47,12 @@ class EmbedOutcome:
     policy: str
     normalized: bool
     interpolation: str
-    precision: str
+    precision: str  # "float32" | "bfloat16" | "float16"
     heads: tuple[BoundHead, ...] = ()
     head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
     valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
     preset: str = ""  # the named defaults that filled in the options not given
+    precision_cosine: float | None = None  # min cosine to float32 measured at start-up (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -59,4 +60,5 @@ class ClassifyOutcome:
     head: BoundHead
     outputs: list[np.ndarray]  # per image: probabilities [C], or logits [h, w, C] for a patch head
     source_sizes: list[tuple[int, int]]  # (H, W) of each input image
-    precision: str
+    precision: str  # "float32" | "bfloat16" | "float16"
+    precision_cosine: float | None = None  # min cosine to float32 measured at start-up

@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from vit_backbone.errors import InvalidOptionError
-from vit_backbone.heads.card import precision_label
 from vit_backbone.heads.patch import upsample_logits
 from vitembed.engine.engine import ClassifyOutcome, Engine, RequestTicket
 from vitembed.engine.served_heads import labels_json
@@ -165,7 +164,8 @@ def _provenance(outcome: ClassifyOutcome) -> dict[str, Any]:
         "pooling": card.pooling,
         "layers": None if card.layers is None else list(card.layers),
         "policy": outcome.head.inputs.policy,
-        "precision": precision_label(outcome.precision),
+        "precision": outcome.precision,
+        "precision_cosine": outcome.precision_cosine,
         "head_precision": card.precision,
         "preset": card.preset,
     }

@@ -43,7 +43,8 @@ async def embeddings(
     request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep
 ) -> Response:
     """OpenAI-compatible: ``input`` is one or more ``data:image/...;base64,`` URIs; the official client's
-    ``embeddings.create`` works unchanged (it asks for base64: float32 little-endian)."""
+    ``embeddings.create`` works unchanged (it asks for base64: float32 little-endian). Vectors are unit length
+    unless ``normalize`` (an extra field: ``extra_body={"normalize": False}``) is false."""
     deadline = request_deadline(request, settings)
     refuse_early(engine, settings, None, deadline)
     body = await read_body(request)
@@ -51,7 +52,8 @@ async def embeddings(
         raise unsupported_media_type("application/json")
     parsed, images = await offload(len(body), parse_openai, body, settings.max_images_per_request)
     model = parsed.model or next(iter(settings.models))
-    outcome = await run_engine(request, engine, model, images, EmbedOptions(), deadline)
+    options = EmbedOptions(normalize=parsed.normalize)  # unit vectors by default, as OpenAI's are
+    outcome = await run_engine(request, engine, model, images, options, deadline)
     data = await timed(
         metrics,
         lambda: openai_json(outcome, encoding_format=parsed.encoding_format),

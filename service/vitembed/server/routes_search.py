@@ -116,11 +116,13 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
         # version, embedding the query images again (the new table may have other options)
         served = await run_search_work(request, functools.partial(state.current, name), deadline)
         precision: str | None = None
+        precision_cosine: float | None = None
         if vector is not None:
             queries: list[Any] = [vector]
         else:
             outcome = await run_engine(request, engine, served.model, images, served.options, deadline)
             queries, precision = list(outcome.vectors), outcome.precision  # [Q] x [D]
+            precision_cosine = outcome.precision_cosine
         index = served.index
 
         def work(
@@ -164,6 +166,7 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
             "metric": served.index.metric,
             "ann": ann,
             "precision": precision,
+            "precision_cosine": precision_cosine,
             "model_precision": served.model_precision,
             "index_precision": meta.precision,
             "preset": meta.preset,

@@ -188,8 +188,12 @@ class Provenance(BaseModel):
     dtype: Dtype
     policy: str
     interpolation: str
-    precision: str
     preset: str = Field(description="the named defaults that filled in the options not given")
+    precision: Literal["float32", "bfloat16", "float16"] = Field(description="the precision the model ran in")
+    precision_cosine: float | None = Field(
+        description="smallest cosine of this precision's vectors to float32's on the start-up probe images "
+        "(null: not measured, e.g. float32 or a precision given explicitly on the CPU)"
+    )
 
 
 class EmbedResponse(BaseModel):
@@ -208,7 +212,16 @@ class OpenAIEmbeddingRequest(BaseModel):
     input: str | list[str]
     model: str | None = Field(None, min_length=1, max_length=128)
     encoding_format: Encoding = "float"
-    dimensions: int | None = Field(None, description="not supported: a backbone's width is fixed")
+    dimensions: int | None = Field(
+        None,
+        description="not supported (422 dimensions_unsupported): a backbone's width is fixed, and its "
+        "features are not trained to be truncated",
+    )
+    normalize: bool = Field(
+        True,
+        description="vitembed extra field: unit-length (L2) vectors, as OpenAI's embeddings are (default "
+        "true); false returns the raw pooled features",
+    )
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
     modality: Literal["image"] | None = Field(None, description="image (infinity's field); text is refused")
 
@@ -216,7 +229,10 @@ class OpenAIEmbeddingRequest(BaseModel):
 class OpenAIEmbedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | str = Field(
+        description="unit length (L2 norm 1) unless the request set normalize=false; base64 = float32 "
+        "little-endian"
+    )
 
 
 class OpenAIUsage(BaseModel):

@@ -80,7 +80,12 @@ class SearchProvenance(BaseModel):
     normalized: bool
     metric: str
     ann: bool
-    precision: str | None = Field(description="of the query embedding; null for vector queries")
+    precision: str | None = Field(
+        description="of the query embedding (float32, bfloat16 or float16); null for vector queries"
+    )
+    precision_cosine: float | None = Field(
+        description="smallest cosine of that precision's vectors to float32's on the start-up probe images"
+    )
     model_precision: str | None = Field(
         description="the served model's compute precision (float32, bfloat16 or float16)"
     )

@@ -107,6 +107,16 @@ def test_vector_file_gives_the_same_hits(
     np.testing.assert_allclose([r["score"] for r in query["results"]], [h.score for h in expected], atol=TOL)
 
 
+def test_cosine_scores_never_leave_minus_one_to_one(db: Path, tiny: Backbone, tree: ImageTree) -> None:
+    index = SimilarityIndex.open(db, "products")
+    queries = embed_queries(
+        tiny, index.meta, [(tree.root / name).read_bytes() for name in tree.good]
+    )  # [Q, D]
+    scores = [hit.score for hits in index.search_many(list(queries), 3) for hit in hits]
+    assert 1.0 - 1e-6 <= max(scores) <= 1.0  # an image's own row: not 1.0000001 from float32 rounding
+    assert all(-1.0 <= score <= 1.0 for score in scores)
+
+
 def test_another_checkpoint_is_refused(
     db: Path, make_checkpoint: Any, tree: ImageTree, capsys: pytest.CaptureFixture[str]
 ) -> None:
