@@ -64,6 +64,10 @@ def test_train_predict_show(
         r"validation accuracy: 1\.0000 \(6 held out; chosen weight_decay=[0-9.e-]+\)", lines[2]
     )
     assert lines[3] == f"saved {tmp_path / 'lin.safetensors'} and {tmp_path / 'lin.json'}"
+    assert lines[4] == "features computed in float32 (recorded in the card: serve's choice on this machine)"
+    assert oct((tmp_path / "lin.safetensors").stat().st_mode & 0o777) == oct(
+        (tmp_path / "lin.json").stat().st_mode & 0o777
+    )
     status, out, err = run(capsys, "heads", "train", *common, "--kind", "knn", "--out", tmp_path / "knn")
     assert status == 0, err
     assert out.splitlines()[1] == "features: 0 computed, 30 from the cache"  # retraining reuses the features

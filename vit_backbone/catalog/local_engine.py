@@ -63,13 +63,16 @@ class JobSummary:
         handled = self.rows_written + self.failures
         return handled / self.seconds if self.seconds > 0 else 0.0
 
-    def line(self) -> str:
+    def line(self, errors_file: str | None = None) -> str:
+        """One line for people; ``errors_file`` (the catalog's errors.jsonl) is named when it holds errors."""
         state = "interrupted" if self.interrupted else "done"
+        handled = self.rows_written + self.failures
+        speed = f"{self.images_per_s:.1f} images/s" if handled else "nothing left to embed"
+        where = f" (see {errors_file})" if errors_file and self.total_failures else ""
         return (
             f"{state}: {self.rows_written} rows written, {self.failures} errors, "
             f"{self.skipped} already done; "
-            f"catalog holds {self.total_rows} rows and {self.total_failures} errors; "
-            f"{self.images_per_s:.1f} images/s"
+            f"catalog holds {self.total_rows} rows and {self.total_failures} errors{where}; {speed}"
         )
 
 

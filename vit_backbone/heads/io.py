@@ -51,6 +51,8 @@ def save_head(head: Head, path: str | Path) -> tuple[Path, Path]:
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in head.tensors().items()}
     save_file(tensors, str(weights), metadata={METADATA_KEY: card_json})
     card_file.write_text(card_json + "\n")
+    # safetensors creates its file private (0600); the weights are as shareable as the card beside them
+    weights.chmod(card_file.stat().st_mode & 0o777)
     return weights, card_file
 
 

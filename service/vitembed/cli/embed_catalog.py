@@ -239,7 +239,9 @@ def _embed(
                 from vit_backbone.catalog.local_engine import run_local
 
                 summary = run_local(backbone, source, state, settings, stop=stopper.stop, progress=bar.update)
-    print(summary.line(), flush=True)
+    from vit_backbone.catalog.error_log import ERRORS_FILE
+
+    print(summary.line(errors_file=str(Path(args.out) / ERRORS_FILE)), flush=True)
     if not summary.interrupted:
         return 0
     return EXIT_CODES[signal.Signals(stopper.received or signal.SIGINT)]

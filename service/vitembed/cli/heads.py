@@ -47,6 +47,13 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--kind", choices=("linear", "knn", "patch"), default="linear")
     train.add_argument("--pooling", default=None, help="default: the model's (patch heads: patch)")
     add_layers(train)
+    train.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="features' compute precision, recorded in the card; auto: what `vitembed serve` picks on this "
+        "machine (bfloat16 where the CPU runs it natively and it stays within cosine 0.999 of float32)",
+    )
     add_size(train)
     train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
     train.add_argument("--preset", default=None, help="named defaults: default-v2 (current) | default-v1")
@@ -96,6 +103,10 @@ def _train(args: argparse.Namespace) -> int:
     parquet = is_parquet_source(args.data)
     model = args.model if args.model is not None or parquet else "embedded"
     backbone = load_backbone(model) if model is not None else None
+    if backbone is not None:  # the precision `serve` will pick (same rule), so the card matches the server
+        from vit_backbone.catalog.precision import choose_precision
+
+        choose_precision(backbone, args.precision, batch_size=args.batch_size)
     cache = None if args.no_cache or parquet else FeatureCache(args.cache_dir)
     result = train_head(backbone, args.data, options, cache=cache)
     card = result.card
@@ -113,6 +124,8 @@ def _train(args: argparse.Namespace) -> int:
     if card.val_miou is not None:
         print(f"validation mIoU: {card.val_miou:.4f}")
     print(f"saved {weights} and {card_file}")
+    if card.precision is not None:
+        print(f"features computed in {card.precision} (recorded in the card: serve's choice on this machine)")
     return 0
 
 

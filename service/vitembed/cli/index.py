@@ -77,20 +77,23 @@ def run_index(args: argparse.Namespace) -> int:
             ann_threshold=args.ann_threshold,
             overwrite=args.overwrite,
         )
-        what = f"indexed {report.inserted} rows"
+        what = f"table built from {report.inserted} catalog rows"
     elif args.action == "add":
         report = add_catalog(args.catalog, args.db, args.table)
-        what = f"inserted {report.inserted}, updated {report.updated}"
+        what = f"{report.inserted} rows inserted, {report.updated} updated"
     else:
         report = delete_rows(args.db, args.table, ids=list(args.ids), where=args.where)
-        what = f"deleted {report.deleted}"
-    ann = (
-        "ANN index (IVF-PQ) built"
-        if report.ann_built
-        else ("ANN index (IVF-PQ)" if report.ann else "exact search")
-    )
-    print(f"{report.db}:{report.table}: {what}; {report.rows} rows; {ann}")
+        what = f"{report.deleted} rows deleted"
+    print(f"{report.db}:{report.table}: {what}; it holds {report.rows} rows, {_search_kind(report)}")
     return 0
+
+
+def _search_kind(report: Any) -> str:
+    if report.ann_built:
+        return "searched through the ANN index (IVF-PQ) built now"
+    if report.ann:
+        return "searched through its ANN index (IVF-PQ)"
+    return "searched exactly (no ANN index below the --ann-threshold)"
 
 
 # --------------------------------------------------------------------------------------------- search

@@ -202,6 +202,14 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
         else f"{config.default_box[0]}x{config.default_box[1]}"
     )
     crop = f" -> center crop {config.crop_size[0]}x{config.crop_size[1]}" if config.crop_size else ""
+    policy = defaults.get("policy", "crop")
+    box = f"{config.default_box[0]}x{config.default_box[1]}"
+    if policy != "crop":  # the default policy replaces the processor's resize and crop
+        resize, crop = f"policy {policy}: " + {
+            "pad": f"letterbox into {box} (aspect kept, no crop)",
+            "squash": f"resize to {box} (no crop)",
+            "dynamic": f"patch grid of about {box}'s tokens (aspect kept, no crop)",
+        }.get(policy, policy), ""
     rule = "none (rotary positions)" if spec.pos_embed == "rope" else spec.resample_method("transformers")
     facts = [
         ("interpolation", f"transformers -> {rule} (also: reference, antialias)"),
@@ -238,7 +246,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for key, value in facts:
             print(f"  {key.ljust(max(width, 13))}  {value}")
         print()
-        print(format_cost_table(reports, target.name, requested=size))
+        print(format_cost_table(reports, target.name, requested=args.size))  # "*" only for a given --size
     return 0
 
 
