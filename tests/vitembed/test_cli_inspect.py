@@ -97,7 +97,7 @@ def test_inspect_standard_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "22,056,576" in out
     assert "raw patch dim  588 (14x14x3) -> projected to D=384" in out
     native_row = next(line for line in out.splitlines() if line.split()[1:2] == ["518x518"])
-    assert native_row.startswith("*n")  # requested by default = native
+    assert native_row.startswith("n ")  # nothing requested: no "*" row
     assert "1,369" in native_row
 
 

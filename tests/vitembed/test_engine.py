@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 from vitembed.engine.engine import EmbedOptions, Engine, NotReadyError, RequestImageError, RequestTicket
+from vitembed.engine.precision_cache import CACHE_FILE
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
@@ -136,7 +138,11 @@ def test_forced_bfloat16_stays_close_to_float32(tiny_checkpoints: dict[str, Path
     [(0.5, "bfloat16"), (1.1, "bfloat16"), (1.3, "float32")],  # a noisy tie keeps bf16; a clear loss vetoes
 )
 def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
-    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, bf16_over_fp32: float, chosen: str
+    tiny_checkpoints: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    bf16_over_fp32: float,
+    chosen: str,
+    tmp_path: Path,
 ) -> None:
     """The engine uses the shared rule (vit_backbone.precision.choose_autocast) with its timings."""
     import vit_backbone.precision as precision_module
@@ -149,7 +155,8 @@ def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
         return vectors, (bf16_over_fp32 if backbone.autocast is not None else 1.0)
 
     monkeypatch.setattr(precision_module, "_timed_embed", timed)
-    eng = Engine(ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}), Metrics())
+    settings = ServiceSettings(models={"tiny": str(tiny_checkpoints["dinov2"])}, cache_dir=tmp_path)
+    eng = Engine(settings, Metrics())
     eng.start()
     try:
         assert eng.model_infos()["tiny"]["precision"] == chosen
@@ -158,3 +165,18 @@ def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
         assert served_autocast == (torch.bfloat16 if chosen == "bfloat16" else None)
     finally:
         eng.stop()
+    # a restart on this machine class reuses the measured decision: no probe, the same answer
+    monkeypatch.setattr(precision_module, "_timed_embed", _no_probe)
+    again = Engine(settings, Metrics())
+    again.start()
+    try:
+        assert again.model_infos()["tiny"]["precision"] == chosen
+        assert again._served["tiny"].backbone.autocast == served_autocast
+    finally:
+        again.stop()
+    cached = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert [entry["label"] for entry in cached.values()] == [chosen]  # keyed by CPU flags + model, one entry
+
+
+def _no_probe(*args: object) -> None:
+    raise AssertionError("the cached precision decision should have been used")

@@ -307,6 +307,12 @@ def test_embeddings_equal_the_library_over_multipart_and_the_openai_client(
         assert [m.id for m in oai.models.list().data] == ["tiny"]
 
 
+def test_start_up_log_has_no_progress_bars(server: ServerProcess) -> None:
+    log = server.log()
+    assert "model tiny ready in" in log
+    assert "Loading weights" not in log and "it/s]" not in log  # transformers' tqdm bars stay off
+
+
 def test_32_concurrent_single_image_requests_share_forward_passes(
     server: ServerProcess, reference: Backbone, images: Images
 ) -> None:

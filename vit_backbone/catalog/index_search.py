@@ -389,15 +389,21 @@ def check_model(meta: CatalogMeta, revision: str, preprocess_hash: str, model: s
 def load_query_backbone(
     meta: CatalogMeta, model: str | None = None, *, cache_dir: Path | None = None
 ) -> Backbone:
-    """The backbone that embeds queries for this table: ``model`` if given, else the table's own model name
-    when that can be loaded by name (``embedded``); checked against the table's revision and preprocessing."""
+    """The backbone that embeds queries for this table: ``model`` if given, else where the catalog job loaded
+    it from (``model_location``), else the table's model name when it can be loaded by name (``embedded``);
+    checked against the table's revision and preprocessing."""
     from vit_backbone import load_backbone
 
-    target = model or (meta.model if meta.model == "embedded" else None)
+    target = model or meta.model_location or (meta.model if meta.model == "embedded" else None)
     if target is None:
         raise ModelMismatchError(
             f"the table was embedded with model {meta.model!r} (revision {meta.revision}), which cannot be "
             "loaded by that name: give its checkpoint folder or hub id with --model"
+        )
+    if model is None and meta.model_location and not _loadable(meta.model_location):
+        raise ModelMismatchError(
+            f"the table was embedded with model {meta.model!r} from {meta.model_location}, which is not "
+            "there any more: give its checkpoint folder or hub id with --model"
         )
     from vit_backbone.checkpoint import checkpoint_facts
 
@@ -407,6 +413,12 @@ def load_query_backbone(
     check_model(meta, *backbone.facts, target)
     apply_table_precision(backbone, meta)
     return backbone
+
+
+def _loadable(location: str) -> bool:
+    """Whether a recorded location can still be resolved: a folder that exists, or not a folder at all (a hub
+    id or ``embedded``, resolved by the loader)."""
+    return not location.startswith("/") or Path(location).is_dir()
 
 
 def apply_table_precision(backbone: Backbone, meta: CatalogMeta) -> str:

@@ -9,7 +9,7 @@ writes these facts into every Parquet shard's key-value metadata (key ``b"vitemb
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from vit_backbone.catalog.errors import CatalogError
@@ -18,7 +18,7 @@ META_KEY = b"vitembed"  # Parquet key-value metadata key holding the CatalogMeta
 FORMAT_VERSION = 1
 DTYPES = ("float32", "float16")
 # what makes two sets of vectors comparable (see embed_options_mismatch)
-OPTIONAL = ("format_version", "precision", "preset")  # keys a catalog's JSON may lack
+OPTIONAL = ("format_version", "precision", "preset", "model_location")  # keys a catalog's JSON may lack
 COMPARED = ("revision", "preprocess_hash", "pooling", "layers", "size", "policy", "normalized", "dim")
 
 
@@ -41,6 +41,10 @@ class CatalogMeta:
     # the named defaults (vit_backbone.presets) that filled in the options not given; informational (the
     # options themselves are stored resolved and compared). None: written before presets existed.
     preset: str | None = None
+    # where the weights were loaded from when the catalog was made (a checkpoint folder, a hub id or
+    # "embedded"), so that `vitembed search` can load them again without --model; informational and left out
+    # of comparisons (a moved folder holds the same weights). None: written before it was recorded.
+    model_location: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

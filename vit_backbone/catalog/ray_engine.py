@@ -8,16 +8,19 @@ shards in exactly the local engine's layout (FixedSizeList column, metadata, ato
 resume, ``read_catalog`` and the index work the same whichever engine ran.
 
 The driver streams results (order preserved) and commits every ``shard_size`` rows; a Ctrl-C stops after
-committing what arrived. The compute precision is explicit (``--precision float32|bfloat16|float16``):
-``auto`` would time the driver's hardware, not the workers'. ``--workers`` caps the concurrent decode tasks.
+committing what arrived. ``--precision auto`` is decided by one task on a worker with an embedder's resources
+(``decide_precision``: the driver's hardware may not be the workers'), recorded, and applied by every actor
+as an explicit one is. ``--workers`` caps the concurrent decode tasks.
 The driver's ``DataContext`` is restored when the job ends. Pixels travel between the stages as raw float32
 bytes with their shape, so the embedder sees bit-identical tensors to the local engine's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +61,7 @@ class RayOptions:
     address: str | None  # None: start a local cluster (unless one is already initialised in this process)
     actors: int | None  # None: one per GPU in the cluster, or 1 without GPUs
     model: str  # what each actor loads (an absolute path or id the workers can resolve, or "embedded")
-    precision: str  # float32 | bfloat16 | float16: explicit, because auto would measure the driver
+    precision: str  # float32 | bfloat16 | float16 (auto is decided on a worker first: decide_precision)
     device: str = "auto"
     decode_tasks: int | None = None  # concurrent decode tasks (--workers); None: Ray Data decides
 
@@ -161,6 +164,56 @@ def _one_line_error(exc: BaseException) -> VitEmbedError | None:
                 return CatalogError(first)
         current = current.__cause__ or current.__context__ or getattr(current, "cause", None)
     return None
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[None]:
+    """Join ``address`` (or start a local cluster) unless Ray is already initialised in this process; shut
+    down on exit only what was started here. ``run_ray`` inside it reuses the session."""
+    require_ray()
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def decide_precision(model: str, meta: CatalogMeta, size: tuple[int, int] | None, batch_size: int) -> str:
+    """``--precision auto`` on the hardware that runs the model: one Ray task with an embedder actor's
+    resources (a GPU when the cluster has them) loads the model and applies the shared rule with the job's
+    options; its answer is recorded in the catalog and every actor applies it."""
+    import ray
+
+    gpus = _cluster_gpus()
+    probe = ray.remote(num_gpus=1 if gpus else 0)(_probe_precision)
+    try:
+        label: str = ray.get(probe.remote(model, meta, "auto" if gpus else "cpu", size, batch_size))
+    except Exception as exc:
+        ours = _one_line_error(exc)
+        if ours is None:
+            raise
+        raise ours from None
+    return label
+
+
+def _probe_precision(
+    model: str, meta: CatalogMeta, device: str, size: tuple[int, int] | None, batch: int
+) -> str:
+    from vit_backbone import load_backbone
+    from vit_backbone.catalog.precision import choose_precision
+    from vit_backbone.precision import pick_device
+
+    backbone = load_backbone(model, device=pick_device(device))
+    options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
+    return choose_precision(backbone, "auto", batch_size=batch, **options).label
 
 
 def _cluster_gpus() -> int:

@@ -151,11 +151,6 @@ def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
         from vit_backbone.catalog.ray_engine import require_ray
 
         require_ray()
-        if args.precision == "auto":
-            raise InvalidOptionError(
-                "--engine ray needs an explicit --precision (float32, bfloat16 or float16): auto would "
-                "measure this machine, not the Ray workers that run the model"
-            )
     try:
         import pyarrow  # noqa: F401
     except ImportError as exc:
@@ -209,7 +204,7 @@ def _embed(
     )
     if out.is_dir():
         check_existing(out, meta, record)  # refuse other options before creating the lock file
-    with OutputLock(out):
+    with _ray_session(args), OutputLock(out):
         found = read_job_file(out)
         if found is not None:
             check_existing(out, meta, record)  # again, under the lock
@@ -266,8 +261,13 @@ def _precision(
     if found is not None and found.record.precision_used:
         apply_precision(backbone, found.record.precision_used)
         return found.record.precision_used, dataclasses.replace(meta, precision=found.meta.precision)
-    if args.engine == "ray":
+    if args.engine == "ray":  # auto: decided by a task on a worker (its hardware runs the model)
         precision = args.precision
+        if precision == "auto":
+            from vit_backbone.catalog.ray_engine import decide_precision
+
+            precision = decide_precision(_ray_model(args), meta, size, batch_size)
+            print(f"embed-catalog: --precision auto -> {precision}, decided on a Ray worker", file=sys.stderr)
     else:
         options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
         try:
@@ -275,6 +275,21 @@ def _precision(
         except ValueError as exc:
             raise InvalidOptionError(str(exc)) from exc
     return precision, dataclasses.replace(meta, precision=precision)
+
+
+def _ray_model(args: argparse.Namespace) -> str:
+    return parse_model(args.model)[1]
+
+
+def _ray_session(args: argparse.Namespace) -> Any:
+    """The Ray session the job runs in (deciding the precision and embedding share it), or nothing."""
+    import contextlib
+
+    if args.engine != "ray":
+        return contextlib.nullcontext()
+    from vit_backbone.catalog.ray_engine import ray_session
+
+    return ray_session(args.ray_address)
 
 
 def _retry(codes: list[str] | None) -> tuple[str, ...] | None:

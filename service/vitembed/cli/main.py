@@ -205,11 +205,15 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
     policy = defaults.get("policy", "crop")
     box = f"{config.default_box[0]}x{config.default_box[1]}"
     if policy != "crop":  # the default policy replaces the processor's resize and crop
-        resize, crop = f"policy {policy}: " + {
-            "pad": f"letterbox into {box} (aspect kept, no crop)",
-            "squash": f"resize to {box} (no crop)",
-            "dynamic": f"patch grid of about {box}'s tokens (aspect kept, no crop)",
-        }.get(policy, policy), ""
+        resize, crop = (
+            f"policy {policy}: "
+            + {
+                "pad": f"letterbox into {box} (aspect kept, no crop)",
+                "squash": f"resize to {box} (no crop)",
+                "dynamic": f"patch grid of about {box}'s tokens (aspect kept, no crop)",
+            }.get(policy, policy),
+            "",
+        )
     rule = "none (rotary positions)" if spec.pos_embed == "rope" else spec.resample_method("transformers")
     facts = [
         ("interpolation", f"transformers -> {rule} (also: reference, antialias)"),
@@ -294,8 +298,18 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vitembed")
+    except PackageNotFoundError:  # run from a clone without installing it
+        return "0.1.0 (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description="Pretrained ViT-family backbone features: library, CLI, service.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():
         command.configure(commands.add_parser(name, help=command.help, description=command.help))

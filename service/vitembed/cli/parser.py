@@ -57,12 +57,22 @@ def suggest_option(unknown: str, options: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
+class _SubParsers(argparse._SubParsersAction):
+    """Every subcommand's help line is also its description (the first line of its ``--help``)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        if "help" in kwargs:
+            kwargs.setdefault("description", kwargs["help"])
+        return super().add_parser(name, **kwargs)
+
+
 class Parser(argparse.ArgumentParser):
     """See the module docstring. Subparsers (``add_subparsers``) are of this class too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _SubParsers)
 
     def error(self, message: str) -> NoReturn:
         unknown = self._unknown_options()

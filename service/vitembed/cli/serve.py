@@ -19,7 +19,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--device": ("device", str, "cpu | cuda | auto (default auto: CUDA when available, else the CPU)"),
     "--precision": ("precision", str, "auto | float32 | bfloat16 | float16 (default auto)"),
     "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 8)"),
-    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass"),
+    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass (default 10960)"),
     "--max-wait-ms": ("max_wait_ms", float, "how long a batch waits to fill (default 5)"),
     "--queue-size": ("queue_size", int, "images queued before 429 (default 256)"),
     "--queue-delay-target-s": (
@@ -40,21 +40,50 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
         float,
         "a connection must send a request head within this, else it is closed (default 10)",
     ),
-    "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413"),
+    "--max-body-bytes": ("max_body_bytes", int, "request body limit, then 413 (default 33554432: 32 MiB)"),
     "--max-images-per-request": ("max_images_per_request", int, "images per request, then 413 (default 64)"),
     "--cache-dir": (
         "cache_dir",
         str,
         "where the embedded checkpoint is converted (default ~/.cache/vitembed)",
     ),
-    "--log-level": ("log_level", str, "debug | info | warning | error"),
+    "--log-level": ("log_level", str, "debug | info | warning | error (default info)"),
 }
+# settings without a flag of their own: environment only
+_ENV_ONLY = (
+    "VITEMBED_API_KEY (bearer token for /v1/*; default: no auth)",
+    "VITEMBED_TORCH_THREADS",
+    "VITEMBED_MAX_IMAGE_PIXELS (default 40000000)",
+    "VITEMBED_MAX_ASPECT_RATIO (default 20)",
+    "VITEMBED_MAX_TOKENS_PER_IMAGE (default 4096)",
+    "VITEMBED_MAX_UPSAMPLE_PIXELS (default 16000000)",
+)
+
+
+_PLURAL = {"--model": "VITEMBED_MODELS", "--index": "VITEMBED_INDEXES", "--head": "VITEMBED_HEADS"}
+
+
+def env_name(flag: str) -> str:
+    """``--max-batch-size`` -> ``VITEMBED_MAX_BATCH_SIZE`` (``--model`` -> ``VITEMBED_MODELS``)."""
+    return _PLURAL.get(flag) or "VITEMBED_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+def _epilog() -> str:
+    flags = ", ".join(f"{flag} {env_name(flag)}" for flag in (*_PLURAL, *_FLAGS))
+    return (
+        f"Every flag has a VITEMBED_* environment variable (a flag given wins over it): {flags} "
+        "(VITEMBED_MODELS, VITEMBED_INDEXES and VITEMBED_HEADS are JSON objects NAME -> target, e.g. "
+        """VITEMBED_MODELS='{"dino": "/models/dinov2-small"}'). Environment only: """
+        + "; ".join(_ENV_ONLY)
+        + "."
+    )
 
 
 _SERVICE_EXTRA = {"uvicorn", "fastapi", "starlette", "pydantic_settings", "multipart", "prometheus_client"}
 
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = _epilog()
     parser.add_argument(
         "--model",
         action="append",

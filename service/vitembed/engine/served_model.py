@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,10 +16,12 @@ import torch
 from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
 from vit_backbone.decode import DecodeLimits
+from vit_backbone.embedded import default_cache_dir
 from vit_backbone.precision import MIN_COSINE, PrecisionChoice, choose_autocast, probe_images, to_device
 from vit_backbone.preprocess import Preprocessor, check_token_budget, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad
 from vitembed.engine.batcher import DynamicBatcher, WorkItem
+from vitembed.engine.precision_cache import decision_key, load_decision, store_decision
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
@@ -68,7 +71,9 @@ def start_model(
     """Load ``target``, choose its precision, seed its throughput estimate and start its batcher."""
     started = time.monotonic()
     backbone = load_backbone(target, device=device, cache_dir=settings.cache_dir)
-    precision = choose_precision(name, backbone, settings.precision)
+    loaded = time.monotonic()
+    precision = choose_precision(name, backbone, settings.precision, settings.cache_dir)
+    chosen = time.monotonic()
     preprocessor = Preprocessor(
         backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=limits
     )
@@ -92,17 +97,35 @@ def start_model(
         on_depth=metrics.queue_depth.labels(name).set,
         on_drop=on_drop,
     )
-    log.info("model %s ready in %.1f s (%s)", name, time.monotonic() - started, precision.describe())
+    ready = time.monotonic()
+    log.info(
+        "model %s ready in %.2f s (load %.2f s, precision %.2f s, warm-up %.2f s; %s)",
+        name, ready - started, loaded - started, chosen - loaded, ready - chosen, precision.describe(),
+    )  # fmt: skip
     return ServedModel(name, backbone, preprocessor, batcher, precision, load)
 
 
-def choose_precision(name: str, backbone: Backbone, setting: str) -> PrecisionChoice:
+def choose_precision(
+    name: str, backbone: Backbone, setting: str, cache_dir: Path | None = None
+) -> PrecisionChoice:
     """The one precision rule of vitembed (``choose_autocast``, shared with the catalog job) on the warm-up
-    images with the model's default options; the choice is applied to the backbone."""
+    images with the model's default options; the choice is applied to the backbone. An ``auto`` decision
+    that needed measuring is cached under the cache directory, keyed by the CPU flags (or GPU), torch,
+    the model's revision and preprocessing (precision_cache): the next start on such a machine skips it."""
+    key = None
+    if setting == "auto":
+        key = decision_key(backbone.device, *backbone.facts, setting)
+        cached = load_decision(cache_dir or default_cache_dir(), key)
+        if cached is not None:
+            backbone.autocast = cached.dtype
+            log.info("model %s: precision %s from the cached decision", name, cached.label)
+            return cached
     try:
         choice = choose_autocast(backbone, setting, probe_images() * 2, batch_size=8)
     except ValueError as exc:
         raise ValueError(f"model {name}: {exc}") from exc
+    if key is not None and choice.seconds is not None:  # measured: worth remembering
+        store_decision(cache_dir or default_cache_dir(), key, choice)
     if setting == "auto" and choice.dtype is None and choice.seconds is not None:
         log.warning(
             "model %s: bfloat16 autocast not used (min cosine %.5f, %.3f s vs %.3f s float32)",

@@ -5,6 +5,7 @@ a clear error naming the extra when Ray is not installed."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,15 +74,25 @@ def test_ray_engine_agrees_with_local(
     np.testing.assert_allclose(resumed.embeddings, a.embeddings, rtol=0, atol=1e-5)
 
 
-def test_ray_engine_needs_an_explicit_precision(tree: ImageTree, run_cli: RunCli, tmp_path: Path) -> None:
-    pytest.importorskip("ray")
-    result = run_cli(tree.root, tmp_path / "out", "--engine", "ray", "--precision", "auto")
-    assert result.code == 2
-    assert result.err == (
-        "vitembed embed-catalog: error: --engine ray needs an explicit --precision (float32, bfloat16 or "
-        "float16): auto would measure this machine, not the Ray workers that run the model\n"
-    )
-    assert not (tmp_path / "out").exists()
+def test_ray_engine_decides_auto_precision_on_a_worker_and_records_it(
+    ray_cluster: Any, tree: ImageTree, run_cli: RunCli, tmp_path: Path
+) -> None:
+    from vit_backbone.precision import cpu_has_native_bf16
+
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in tree.good[:3]:
+        (few / Path(name).name).write_bytes((tree.root / name).read_bytes())
+    result = run_cli(few, tmp_path / "out", "--engine", "ray", "--actors", "1", "--precision", "auto")
+    assert result.code == 0, result.err
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"  # the worker runs on this CPU here
+    assert f"embed-catalog: --precision auto -> {expected}, decided on a Ray worker" in result.err
+    catalog = read_catalog(tmp_path / "out")
+    assert catalog.meta.precision == expected and len(catalog.ids) == 3
+    job = json.loads((tmp_path / "out" / "catalog.json").read_text())["job"]
+    assert (job["precision"], job["precision_used"]) == ("auto", expected)
+    again = run_cli(few, tmp_path / "out", "--engine", "ray", "--precision", "auto")  # resumed: stored choice
+    assert again.code == 0 and "decided on a Ray worker" not in again.err
 
 
 def _meta(backbone: Backbone) -> CatalogMeta:

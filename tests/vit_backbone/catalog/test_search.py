@@ -131,19 +131,29 @@ def test_another_checkpoint_is_refused(
     assert f"(the table needs {index.meta.revision})" in err and err.count("\n") == 1
 
 
-def test_a_table_of_a_local_model_needs_model(
-    db: Path, tree: ImageTree, capsys: pytest.CaptureFixture[str]
+def test_a_table_of_a_local_model_is_searched_with_the_recorded_location(
+    db: Path, tiny_path: Path, tree: ImageTree, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     meta = SimilarityIndex.open(db, "products").meta
-    code, _, err = cli(
-        capsys, "search", "--db", str(db), "--table", "products", str(tree.root / tree.good[0])
+    assert meta.model_location == str(tiny_path.resolve())  # recorded by embed-catalog, carried by the index
+    query = str(tree.root / tree.good[0])
+    code, out, err = cli(
+        capsys, "search", "--db", str(db), "--table", "products", query, "--json", "--k", "1"
     )
-    assert code == 2
-    assert err == (
-        f"vitembed search: error: the table was embedded with model {meta.model!r} "
-        f"(revision {meta.revision}), which cannot be loaded by that name: give its checkpoint folder or "
-        "hub id with --model\n"
+    assert code == 0, err  # no --model needed
+    assert json.loads(out)["queries"][0]["results"][0]["id"] == tree.good[0]
+
+    moved = replace(meta, model_location=str(tmp_path / "gone"))
+    with pytest.raises(ModelMismatchError) as caught:
+        load_query_backbone(moved)
+    assert str(caught.value) == (
+        f"the table was embedded with model {meta.model!r} from {tmp_path / 'gone'}, which is not there "
+        "any more: give its checkpoint folder or hub id with --model"
     )
+    assert load_query_backbone(moved, str(tiny_path)).facts.revision == meta.revision  # the flag overrides
+    unrecorded = replace(meta, model_location=None)  # a table from before locations were recorded
+    with pytest.raises(ModelMismatchError, match="cannot be loaded by that name: give its checkpoint folder"):
+        load_query_backbone(unrecorded)
 
 
 def test_bad_queries_are_one_line_errors(
