@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 Dtype = Literal["float32", "float16"]
 Encoding = Literal["float", "base64"]
@@ -217,7 +217,7 @@ class OpenAIEmbeddingRequest(BaseModel):
         description="not supported (422 dimensions_unsupported): a backbone's width is fixed, and its "
         "features are not trained to be truncated",
     )
-    normalize: bool = Field(
+    normalize: StrictBool = Field(
         True,
         description="vitembed extra field: unit-length (L2) vectors, as OpenAI's embeddings are (default "
         "true); false returns the raw pooled features",
