@@ -55,7 +55,9 @@ def replica_settings(values: Mapping[str, Any], max_ongoing_requests: int) -> Se
     the replica and a queue-delay target equal to the request timeout. Given values that would let the
     replica refuse Serve's work raise ValueError naming the setting."""
     settings = ServiceSettings(**values)
-    need = max_ongoing_requests * settings.max_images_per_request
+    # admission leaves room for n - 1 images of others beside a request of n (engine/admission.py): the
+    # last of max_ongoing_requests full requests needs (max_ongoing_requests + 1) * n - 1 places
+    need = (max_ongoing_requests + 1) * settings.max_images_per_request - 1
     update: dict[str, Any] = {}
     if "queue_size" not in values:
         update["queue_size"] = max(settings.queue_size, need)

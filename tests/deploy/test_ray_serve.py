@@ -30,6 +30,7 @@ from vit_backbone.errors import ImageDecodeError
 
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install 'vitembed[ray]'")
 import ray  # noqa: E402  (after the skip)
+from vitembed.engine.admission import AdmissionControl  # noqa: E402
 from vitembed.ray_serve import REPLICA_HEADER, deployment, replica_settings  # noqa: E402
 from vitembed_client import Client, RetryPolicy, ServiceUnavailableError  # noqa: E402
 from vitembed_client.errors import from_response  # noqa: E402
@@ -241,8 +242,13 @@ def test_replica_settings_make_the_replica_admit_what_serve_hands_it() -> None:
     settings = replica_settings(
         {"max_images_per_request": 64, "request_timeout_s": 20}, max_ongoing_requests=8
     )
-    assert (settings.queue_size, settings.queue_delay_target_s) == (8 * 64, 20.0)
-    with pytest.raises(ValueError, match="set queue_size >= 128"):
+    assert (settings.queue_size, settings.queue_delay_target_s) == (9 * 64 - 1, 20.0)
+    control = AdmissionControl(settings.queue_size, settings.queue_delay_target_s)
+    load = control.model("m")
+    for _ in range(8):  # Serve's eight ongoing requests of 64 images all fit beside the fairness rule
+        load.admit(64, 256, deadline_left_s=20.0)
+    assert control.held == 8 * 64
+    with pytest.raises(ValueError, match="set queue_size >= 143"):
         replica_settings({"max_images_per_request": 16, "queue_size": 64}, max_ongoing_requests=8)
     with pytest.raises(ValueError, match="set max_concurrent_requests >= 8"):
         replica_settings({"max_concurrent_requests": 4}, max_ongoing_requests=8)

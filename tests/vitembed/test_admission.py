@@ -72,10 +72,52 @@ def test_large_requests_are_charged_half_the_target_so_they_cannot_take_the_whol
 
 
 def test_the_hard_cap_in_images_refuses_with_the_time_to_drain_the_excess() -> None:
-    refused = rule(images=8, held_images=250, capacity_images=256, ahead_s=0.5)
-    assert refused == Decision(False, QUEUE_FULL, 1.5, 0.25, 2.0)  # 2 images too many x 0.125 s
+    refused = rule(images=2, held_images=255, capacity_images=256, ahead_s=0.5)
+    assert refused == Decision(False, QUEUE_FULL, 0.75, 0.25, 2.0)  # 2 images too many x 0.125 s
     assert retry_after_header(refused) == 1
-    assert rule(images=6, held_images=250, capacity_images=256, ahead_s=0.5).admitted
+    assert rule(images=1, held_images=255, capacity_images=256, ahead_s=0.5).admitted  # the last place
+
+
+def test_a_request_of_n_images_leaves_room_for_n_minus_1_of_other_callers() -> None:
+    # 8 images with 250 held: 8 + 7 places needed, 6 free; 9 images too many x 0.125 s
+    refused = rule(images=8, held_images=250, capacity_images=256, ahead_s=0.5)
+    assert refused == Decision(False, QUEUE_FULL, 1.5, 1.125, 2.0)
+    assert retry_after_header(refused) == 2
+    assert rule(images=3, held_images=250, capacity_images=256, ahead_s=0.5).admitted  # 250 + 3 + 2
+    assert not rule(images=4, held_images=250, capacity_images=256, ahead_s=0.5).admitted  # 250 + 4 + 3
+    assert rule(images=64, held_images=129, capacity_images=256, per_image_s=0.0).admitted
+    assert rule(images=64, held_images=130, capacity_images=256, per_image_s=0.0).reason == QUEUE_FULL
+    # an idle queue admits any request the cap allows
+    assert rule(images=256, held_images=0, capacity_images=256, per_image_s=0.0).admitted
+
+
+def test_64_image_callers_cannot_starve_single_images() -> None:
+    """Only the hard cap binds (a long target, a fast model): callers of 64 images fill what they may,
+    then single images still find 64 places, and no 64-image request gets in meanwhile."""
+    control = AdmissionControl(capacity=256, target_s=1000.0)
+    load = control.model("m")
+    load.observe(tokens=100, images=64, seconds=0.064)  # 1 ms per image
+    big = []
+    while True:
+        try:
+            big.append(load.admit(64, 100, deadline_left_s=30.0))
+        except QueueFullError as refused:
+            assert refused.reason == QUEUE_FULL
+            break
+    assert len(big) == 3 and control.held == 192  # 0 -> 64 (idle), 64 + 127 <= 256, 128 + 127 <= 256
+    singles = []
+    for _ in range(64):
+        singles.append(load.admit(1, 100, deadline_left_s=30.0))
+        with pytest.raises(QueueFullError):
+            load.admit(64, 100, deadline_left_s=30.0)
+    assert control.held == 256
+    with pytest.raises(QueueFullError):
+        load.admit(1, 100, deadline_left_s=30.0)
+    big[0].release()  # 64 places free again: singles first in line get them, a 64-image request not
+    assert control.held == 192
+    with pytest.raises(QueueFullError):
+        load.admit(64, 100, deadline_left_s=30.0)
+    assert load.admit(1, 100, deadline_left_s=30.0).remaining == 1
 
 
 def test_a_request_whose_own_deadline_is_shorter_than_the_wait_is_refused() -> None:
@@ -90,8 +132,8 @@ def test_a_request_whose_own_deadline_is_shorter_than_the_wait_is_refused() -> N
 
 
 def test_without_a_measurement_only_the_hard_cap_applies() -> None:
-    assert rule(per_image_s=0.0, ahead_s=0.0, images=64, held_images=192).admitted
-    assert rule(per_image_s=0.0, images=64, held_images=193).reason == QUEUE_FULL
+    assert rule(per_image_s=0.0, ahead_s=0.0, images=64, held_images=129).admitted
+    assert rule(per_image_s=0.0, images=64, held_images=130).reason == QUEUE_FULL
 
 
 def test_the_model_load_admits_in_order_and_refuses_with_retry_after() -> None:

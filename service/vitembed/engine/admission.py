@@ -12,7 +12,11 @@ lives in the same module and is driven by the engine (admit) and the batchers (b
 Fairness between callers: admission counts images, so a 64-image request costs 64 times a single one. A
 request whose own work exceeds half the target is charged half the target: it is admitted only while the
 queue ahead of it is at most half full, so large requests cannot take the whole queue from single-image
-callers, and a request larger than the target can still be served.
+callers, and a request larger than the target can still be served. The hard cap has the same rule in
+images: a request of n images is admitted only while it leaves room for n - 1 more images of other
+callers (an idle queue admits any request the cap allows), so a run of 64-image requests holds at most
+about three quarters of a 256-image queue and single images always find a place; a single image is not
+affected.
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ def decide(
     own_s = images * per_image_s
     predicted = batch_wait_s + ahead_s + own_s  # the batch timer counts here, not against the target
     limit = min(target_s, deadline_left_s)
-    if held_images + images > capacity_images:
-        excess = held_images + images - capacity_images
+    room = images if held_images == 0 else 2 * images - 1  # its images, and room for n - 1 of others'
+    if held_images + room > capacity_images:
+        excess = held_images + room - capacity_images
         return Decision(False, QUEUE_FULL, predicted, excess * per_image_s, limit)
     if ahead_s <= 0.0:  # an idle model takes whatever the hard cap allows; its deadline decides the rest
         return Decision(True, ADMITTED, predicted, 0.0, limit)
