@@ -16,13 +16,16 @@ A cycle is a strongly connected component of more than one module: A imports som
 chain) imports A back.
 
 Packages and their ``__init__``: importing ``pkg.sub`` runs ``pkg/__init__`` first; that implicit parent
-import is NOT an edge: Python always finishes ``pkg/__init__``'s own imports' bookkeeping in a fixed order
-(the package object exists before any submodule runs), so a package ``__init__`` that re-exports its
-submodules is the normal shape of a package, not a cycle. What IS an edge is a submodule naming its own
-package explicitly, ``from vit_backbone import load_backbone`` inside ``vit_backbone/catalog/...``: if
-``vit_backbone/__init__`` imports (transitively) that submodule, the name is looked up on a half-initialised
-package and works or fails depending on which module was imported first. That is a real cycle, and the scan
-reports it: inside a package, import a name from the module that defines it.
+import is NOT an edge. The package is in ``sys.modules`` before its ``__init__`` body runs, so a submodule
+that ``pkg/__init__`` imports may itself import its siblings (``pkg.other``) safely: a package whose
+``__init__`` re-exports its parts is the normal shape of a package, not a cycle. What IS an edge is a
+submodule naming its own package explicitly, ``from vit_backbone import load_backbone`` inside
+``vit_backbone/catalog/...``: if ``vit_backbone/__init__`` imports (transitively) that submodule, the name is
+looked up on a half-initialised package and works or fails depending on which module was imported first.
+That is a real cycle and the scan reports it (see the last test): inside a package, import a name from the
+module that defines it. Imports made through ``importlib`` (``vit_backbone/__init__``'s lazy exports) are not
+seen by a static scan, so no module of a package imports names from its own top-level package at all (a
+test below): the edge it would hide cannot exist.
 """
 
 from __future__ import annotations
@@ -202,6 +205,19 @@ def test_the_packages_have_no_import_cycle() -> None:
     assert sum(len(edges) for edges in graph.values()) > 250  # it sees the imports, not only the files
     found = cycles(PACKAGES)
     assert not found, "import cycles (module (file:line of the import) -> ...):\n" + "\n".join(found)
+
+
+def test_no_module_imports_from_its_own_top_level_package() -> None:
+    """``vit_backbone/__init__`` resolves its public names lazily (importlib, unseen by the scan): a module
+    of the package importing one of them would hide an edge. Import from the defining module instead."""
+    graph = import_graph(PACKAGES)
+    through_init = sorted(
+        f"{module} imports from {top} (line {graph[module][top]})"
+        for module in graph
+        for top in PACKAGES
+        if module.startswith(f"{top}.") and top in graph[module]
+    )
+    assert not through_init, "\n".join(through_init)
 
 
 # ------------------------------------------------------------------------------------------- the scanner

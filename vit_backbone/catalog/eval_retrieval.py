@@ -252,7 +252,7 @@ def run_retrieval_eval(
     (checked before any embedding)."""
     from PIL import Image
 
-    from vit_backbone import load_backbone
+    from vit_backbone.loading import load_backbone
 
     if db is not None and not overwrite and Path(db).is_dir() and TABLE in table_names(connect(db)):
         raise IndexStoreError(

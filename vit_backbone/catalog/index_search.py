@@ -392,7 +392,7 @@ def load_query_backbone(
     """The backbone that embeds queries for this table: ``model`` if given, else where the catalog job loaded
     it from (``model_location``), else the table's model name when it can be loaded by name (``embedded``);
     checked against the table's revision and preprocessing."""
-    from vit_backbone import load_backbone
+    from vit_backbone.loading import load_backbone
 
     target = model or meta.model_location or (meta.model if meta.model == "embedded" else None)
     if target is None:

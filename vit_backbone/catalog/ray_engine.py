@@ -103,8 +103,8 @@ class Embedder:
     def __init__(self, model: str, precision: str, meta: CatalogMeta, device: str) -> None:
         import torch
 
-        from vit_backbone import load_backbone
         from vit_backbone.catalog.precision import apply_precision
+        from vit_backbone.loading import load_backbone
         from vit_backbone.precision import pick_device
 
         chosen = pick_device(device)
@@ -207,8 +207,8 @@ def decide_precision(model: str, meta: CatalogMeta, size: tuple[int, int] | None
 def _probe_precision(
     model: str, meta: CatalogMeta, device: str, size: tuple[int, int] | None, batch: int
 ) -> str:
-    from vit_backbone import load_backbone
     from vit_backbone.catalog.precision import choose_precision
+    from vit_backbone.loading import load_backbone
     from vit_backbone.precision import pick_device
 
     backbone = load_backbone(model, device=pick_device(device))
