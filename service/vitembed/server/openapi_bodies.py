@@ -1,7 +1,7 @@
 """The OpenAPI request bodies and option parameters of the image routes, derived from the pydantic option
-models the routes validate with, so that the schema states what the parser accepts: enums for pooling and
-policy, the numeric bounds, at least one image part (``image/*``) or JSON image (format ``image-base64``),
-no unknown fields.
+models the routes validate with, so that the schema states what the parser accepts: enums for pooling,
+policy and preset, the numeric bounds, at least one image part (``image/*``) or JSON image (format
+``image-base64``), no unknown fields.
 
 Options sent as text (query parameters, multipart form fields) are parsed by pydantic's lax mode: their
 schemas are the text each accepts (booleans as any of pydantic's words, ``layers`` and ``size`` as
@@ -20,6 +20,8 @@ from pydantic import BaseModel
 
 from vit_backbone.pooling import POOLINGS
 from vit_backbone.preprocess import RESIZE_POLICIES
+from vit_backbone.presets import PRESET_NAMES
+from vitembed.server.schemas import OPTION_ALIASES
 
 IMAGE_MEDIA_TYPES = "image/jpeg, image/png, image/webp, image/gif, image/bmp, image/tiff"
 IMAGE_PART: dict[str, Any] = {
@@ -47,7 +49,7 @@ TEXT_FORMS: dict[str, dict[str, Any]] = {
     "heads": {"type": "string", "maxLength": 16 * 65, "examples": ["shapes"]},
 }
 # options whose values are a fixed set (the library's), though the pydantic models take any short text
-ENUMS: dict[str, tuple[str, ...]] = {"pooling": POOLINGS, "policy": RESIZE_POLICIES}
+ENUMS: dict[str, tuple[str, ...]] = {"pooling": POOLINGS, "policy": RESIZE_POLICIES, "preset": PRESET_NAMES}
 
 
 def _caseless(word: str) -> str:
@@ -75,6 +77,9 @@ def json_properties(model: type[BaseModel]) -> dict[str, Any]:
                 "anyOf": [{"type": "string", "enum": list(values)}, {"type": "null"}],
                 "description": properties[name].get("description", ""),
             }
+    for alias, name in OPTION_ALIASES.items():  # top_k for k: either one, not both (a 422)
+        if name in properties:
+            properties[alias] = {**properties[name], "description": f"alias of {name} (not both)"}
     for name, schema in properties.items():
         schema.pop("title", None)
         if name in ("row", "col"):
