@@ -67,4 +67,6 @@ class MissingExtraError(VitEmbedError, ImportError):
     code = "missing_extra"
 
     def __init__(self, what: str, extra: str) -> None:
-        super().__init__(f"{what} needs an optional dependency: pip install 'vitembed[{extra}]'")
+        super().__init__(
+            f"{what} needs an optional dependency: pip install -e '.[{extra}]' (from a clone of vitembed)"
+        )

@@ -37,6 +37,11 @@ BENCHES: dict[str, tuple[str, set[str], bool]] = {
         False,
     ),
     "search_bench": ("search", {"machine", "quick", "rows", "build_s", "exact", "ann"}, False),
+    "startup": (
+        "startup",
+        {"machine", "quick", "bare_import_s", "model_class_import_s", "median", "over_bare_s", "starts"},
+        False,
+    ),
     "heads_quality": ("heads", {"machine", "quick", "setup", "rows"}, True),
     "heads_precision": (
         "heads_precision",

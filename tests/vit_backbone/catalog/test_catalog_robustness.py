@@ -216,7 +216,7 @@ def test_missing_tqdm_names_the_extra(
     assert result.code == 2
     assert result.err == (
         "vitembed embed-catalog: error: the embed-catalog progress bar needs an optional dependency: "
-        "pip install 'vitembed[catalog]'\n"
+        "pip install -e '.[catalog]' (from a clone of vitembed)\n"
     )
     assert not (tmp_path / "cat").exists()
 

@@ -154,6 +154,6 @@ def test_missing_ray_names_the_extra(
     assert result.code == 2
     assert result.err == (
         "vitembed embed-catalog: error: embed-catalog --engine ray needs an optional dependency: "
-        "pip install 'vitembed[ray]'\n"
+        "pip install -e '.[ray]' (from a clone of vitembed)\n"
     )
     assert not (tmp_path / "out").exists()
