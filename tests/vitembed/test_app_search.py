@@ -471,6 +471,40 @@ def test_real_server_agrees_with_the_cli(
     assert served[0]["results"][0]["id"] == "p02"
 
 
+def test_cli_search_through_a_running_server_equals_the_local_one(
+    served_process: str, db: Path, photos: Photos, tiny_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = [str(photos.folder / "p02.jpg"), str(photos.folder / "p09.jpg")]
+    search = ["search", "--db", str(db), "--table", "products", "--k", "3", "--json", *files]
+    capsys.readouterr()
+    assert main([*search, "--server", served_process]) == 0  # embedded by the server: no model loaded here
+    remote = json.loads(capsys.readouterr().out)["queries"]
+    assert main([*search, "--model", str(tiny_path)]) == 0
+    local = json.loads(capsys.readouterr().out)["queries"]
+    for got, expected in zip(remote, local, strict=True):
+        assert_same_hits(got["results"], expected["results"])
+    assert remote[0]["results"][0]["id"] == "p02"
+
+
+def test_cli_search_server_without_the_table_s_model_is_one_line(
+    served_process: str,
+    make_checkpoint: Any,
+    photos: Photos,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    other = make_checkpoint("dinov2", seed=3)  # another model's table
+    build_index(embed_catalog(photos, ["p00", "p01"], tmp_path, other), tmp_path / "db", "other")
+    capsys.readouterr()
+    argv = ["search", "--db", str(tmp_path / "db"), "--table", "other", str(photos.folder / "p00.jpg")]
+    assert main([*argv, "--server", served_process]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"vitembed search: error: the server at {served_process} serves no model with the table's "
+    )
+    assert "(it serves: tiny (local-" in err and err.count("\n") == 1
+
+
 def test_real_server_refuses_an_index_of_another_model(tiny_path: Path, tmp_path: Path) -> None:
     meta = CatalogMeta(
         "other-model", "rev-other", "pre-other", "cls", None, None, "crop", False, 32, "float32"

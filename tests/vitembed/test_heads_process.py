@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +75,31 @@ def test_classify_and_embed_heads_over_http_equal_the_python_api(
     np.testing.assert_allclose(
         [item["embedding"] for item in embedded.json()["data"]], reference.embed(shapes), atol=TOL, rtol=0
     )
+
+
+def test_cli_heads_predict_through_the_server_equals_the_local_one(
+    process: ServerProcess, tiny_path: Path, head_path: Path, shapes: list[bytes], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from vitembed.cli.main import main
+
+    files = []
+    for n, data in enumerate(shapes):
+        (tmp_path / f"s{n}.png").write_bytes(data)
+        files.append(str(tmp_path / f"s{n}.png"))
+    capsys.readouterr()
+    assert main(["heads", "predict", "shapes", *files, "--server", process.url, "--json", "--k", "2"]) == 0
+    remote = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (
+        main(["heads", "predict", str(head_path), *files, "--model", str(tiny_path), "--json", "--k", "2"])
+        == 0
+    )
+    local = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["image"] for r in remote] == files
+    for got, expected in zip(remote, local, strict=True):
+        assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected["labels"]]
+        np.testing.assert_allclose(
+            [x["probability"] for x in got["labels"]],
+            [x["probability"] for x in expected["labels"]],
+            atol=TOL,
+        )

@@ -69,6 +69,12 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("images", metavar="IMAGE", nargs="+", type=Path)
     predict.add_argument("--model", default="embedded", help="the backbone the head was trained on")
     add_k(predict, 3, "labels per image (classifier heads)")
+    predict.add_argument(
+        "--server",
+        metavar="URL",
+        help="run on a running `vitembed serve` (e.g. http://127.0.0.1:8000) instead of loading the model "
+        "here; HEAD is then the name of a head it serves (--head NAME=PATH)",
+    )
     predict.add_argument("--json", action="store_true", help="one JSON object per image")
     predict.add_argument("--masks-out", type=Path, default=None, help="patch heads: write X.mask.png here")
     predict.set_defaults(heads_run=_predict)
@@ -134,6 +140,8 @@ def _kv(values: dict[str, Any]) -> str:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.server:
+        return _predict_remote(args)
     from vit_backbone import load_backbone
     from vit_backbone.heads import load_head
     from vit_backbone.heads.predict import predict_masks, predict_proba
@@ -149,6 +157,21 @@ def _predict(args: argparse.Namespace) -> int:
     for path, row in zip(args.images, probabilities, strict=True):
         order = row.argsort()[::-1][:k]
         labels = [{"label": classes[i], "probability": float(row[i])} for i in order]
+        if args.json:
+            print(json.dumps({"image": str(path), "labels": labels}))
+        else:
+            print(f"{path}: " + ", ".join(f"{x['label']} {x['probability']:.3f}" for x in labels))
+    return 0
+
+
+def _predict_remote(args: argparse.Namespace) -> int:
+    """``--server``: the served head answers (classifier heads); printed as the local prediction is."""
+    from vitembed.cli.remote import classify
+
+    answers = classify(
+        args.server, str(args.head), [path.read_bytes() for path in args.images], max(1, args.k)
+    )
+    for path, labels in zip(args.images, answers, strict=True):
         if args.json:
             print(json.dumps({"image": str(path), "labels": labels}))
         else:

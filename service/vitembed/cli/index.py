@@ -110,6 +110,12 @@ def configure_search(parser: argparse.ArgumentParser) -> None:
         help="the checkpoint that embedded the table (needed unless it is 'embedded'); its revision and "
         "preprocessing must match the table's",
     )
+    parser.add_argument(
+        "--server",
+        metavar="URL",
+        help="embed the query images on a running `vitembed serve` (e.g. http://127.0.0.1:8000) serving the "
+        "table's model, instead of loading the model here",
+    )
     parser.add_argument("--exact", action="store_true", help="bypass the ANN index (exact search)")
     parser.add_argument(
         "--nprobes",
@@ -144,6 +150,13 @@ def run_search(args: argparse.Namespace) -> int:
     if args.vector_file:
         vectors = load_vector_file(args.vector_file)  # [Q, D]
         labels = [f"{args.vector_file}[{i}]" for i in range(len(vectors))]
+    elif args.server:
+        from vitembed.cli.remote import query_vectors
+
+        vectors = query_vectors(
+            args.server, index.meta, [path.read_bytes() for path in args.images]
+        )  # [Q, D]
+        labels = [str(path) for path in args.images]
     else:
         backbone = load_query_backbone(index.meta, args.model)
         vectors = embed_queries(backbone, index.meta, [path.read_bytes() for path in args.images])  # [Q, D]
