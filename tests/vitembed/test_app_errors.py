@@ -381,6 +381,32 @@ async def test_validation_errors_never_echo_the_payload(server: Server, images: 
         assert len(response.content) < 1000 and secret[:200] not in response.text
 
 
+async def test_json_booleans_and_numbers_are_not_each_other(server: Server, images: Images, err: Err) -> None:
+    """The schema says number or boolean, and so does the server: pydantic's lax mode would read JSON true
+    as 1 and 1 as true (schemathesis found ``"threshold": false`` accepted on /v1/search). Text forms (query
+    and form fields) are still parsed as words and digits."""
+    image = {"base64": base64.b64encode(images.jpeg()).decode()}
+    for body, field, message in (
+        ({"normalize": 1}, "normalize", "must be true or false"),
+        ({"layers": [True]}, "layers", "must be numbers, not true or false"),
+        ({"size": [True, 56]}, "size", "must be numbers, not true or false"),
+    ):
+        response = await server.client.post("/v1/embed", json={"images": [image], **body})
+        assert response.status_code == 422, body
+        assert err(response) == {"code": "invalid_request", "message": f"{field}: {message}"}
+    response = await server.client.post("/v1/patch-features", json={"images": [image], "layer": True})
+    assert response.status_code == 422
+    assert err(response) == {
+        "code": "invalid_request",
+        "message": "layer: must be a number, not true or false",
+    }
+    response = await server.client.post(
+        "/v1/embed", files={"image": images.jpeg()}, data={"normalize": "yes", "layers": "-1"}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["provenance"]["normalized"] is True
+
+
 async def test_unknown_routes_and_methods_are_json(server: Server, err: Err) -> None:
     response = await server.client.get("/v2/embed")
     assert response.status_code == 404

@@ -33,6 +33,7 @@ IMAGE_PART: dict[str, Any] = {
 IMAGE_REF = {"$ref": "#/components/schemas/ImageIn"}
 _BOOL_WORDS = ("true", "false", "t", "f", "yes", "no", "y", "n", "on", "off", "1", "0")
 _INT6 = r"(0{0,5}[1-9]|0{0,4}[1-9]\d|0{0,3}[1-9]\d{2}|0{0,2}[1-9]\d{3}|0?[1-9]\d{4}|[1-9]\d{5})"
+_HEAD = r"\s*[^,\s]([^,]{0,62}[^,\s])?\s*"  # a head name of 1 to 64 characters once stripped
 # the text forms of the tuple options, as schemas.py's validators parse them
 TEXT_FORMS: dict[str, dict[str, Any]] = {
     "layers": {
@@ -46,7 +47,7 @@ TEXT_FORMS: dict[str, dict[str, Any]] = {
         "pattern": rf"^\s*{_INT6}\s*([,xX]\s*{_INT6}\s*)?$",
         "examples": ["224,224", "224"],
     },
-    "heads": {"type": "string", "maxLength": 16 * 65, "examples": ["shapes"]},
+    "heads": {"type": "string", "pattern": rf"^\s*$|^{_HEAD}(,{_HEAD}){{0,15}}$", "examples": ["shapes"]},
 }
 # options whose values are a fixed set (the library's), though the pydantic models take any short text
 ENUMS: dict[str, tuple[str, ...]] = {"pooling": POOLINGS, "policy": RESIZE_POLICIES, "preset": PRESET_NAMES}
@@ -77,6 +78,10 @@ def json_properties(model: type[BaseModel]) -> dict[str, Any]:
                 "anyOf": [{"type": "string", "enum": list(values)}, {"type": "null"}],
                 "description": properties[name].get("description", ""),
             }
+    heads = properties.get("heads")
+    if heads is not None and heads.get("type") == "array":  # names of 1 to 64 characters, at most 16
+        heads.update(maxItems=16)
+        heads["items"] = {"type": "string", "minLength": 1, "maxLength": 64}
     for alias, name in OPTION_ALIASES.items():  # top_k for k: either one, not both (a 422)
         if name in properties:
             properties[alias] = {**properties[name], "description": f"alias of {name} (not both)"}
@@ -129,6 +134,7 @@ def image_request_body(model: type[BaseModel], *, one: bool = False) -> dict[str
                     "required": ["image", *required],
                     "properties": {"image": form_images, **text_properties(model)},
                     "additionalProperties": False,
+                    **_not_both(model),
                 },
                 "encoding": {"image": {"contentType": IMAGE_MEDIA_TYPES}},
             },
@@ -138,10 +144,19 @@ def image_request_body(model: type[BaseModel], *, one: bool = False) -> dict[str
                     "required": ["images", *required],
                     "properties": {"images": json_images(one=one), **json_props},
                     "additionalProperties": False,
+                    **_not_both(model),
                 }
             },
         },
     }
+
+
+def _not_both(model: type[BaseModel]) -> dict[str, Any]:
+    """An option and its alias are not sent together (a 422)."""
+    pairs = [[name, alias] for alias, name in OPTION_ALIASES.items() if name in model.model_fields]
+    if not pairs:
+        return {}
+    return {"not": {"anyOf": [{"required": pair} for pair in pairs]}}
 
 
 def typed_parameters(parameters: list[dict[str, Any]], model: type[BaseModel]) -> None:

@@ -65,6 +65,7 @@ from vitembed.server.plumbing import (
     run_engine,
     unsupported_media_type,
 )
+from vitembed.server.schemas import NOT_BOOL, not_bool
 
 STATIC = resources.files("vitembed.server") / "static"
 FEATURE_FIELDS = ("model", "layer", "policy", "size", "background_threshold")
@@ -89,7 +90,7 @@ class PatchOptionsIn(BaseModel):
     model: str | None = Field(
         None, min_length=1, max_length=128, description="a served model (default: first)"
     )
-    layer: int | None = Field(
+    layer: Annotated[int | None, NOT_BOOL] = Field(
         None,
         ge=-64,
         le=63,
@@ -104,6 +105,7 @@ class PatchOptionsIn(BaseModel):
     @field_validator("size", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
+        value = not_bool(value)
         if isinstance(value, str):
             parts = value.lower().replace("x", ",").split(",")
             parts = parts * 2 if len(parts) == 1 else parts  # one number: a square
@@ -123,7 +125,7 @@ class PatchOptionsIn(BaseModel):
 
 
 class FeatureOptionsIn(PatchOptionsIn):
-    background_threshold: float | None = Field(
+    background_threshold: Annotated[float | None, NOT_BOOL] = Field(
         None,
         ge=0.0,
         le=1.0,
@@ -136,8 +138,8 @@ class SimilarityOptionsIn(PatchOptionsIn):
         None, min_length=1, max_length=128, description="a served index (default: the only one)"
     )
     id: str = Field(min_length=1, max_length=1024, description="the index item to compare with")
-    row: int = Field(ge=0, le=4096, description="query patch row (0-based)")
-    col: int = Field(ge=0, le=4096, description="query patch column (0-based)")
+    row: Annotated[int, NOT_BOOL] = Field(ge=0, le=4096, description="query patch row (0-based)")
+    col: Annotated[int, NOT_BOOL] = Field(ge=0, le=4096, description="query patch column (0-based)")
 
 
 class EncodedImage(BaseModel):

@@ -43,6 +43,7 @@ from vitembed.server.plumbing import (
     unsupported_media_type,
     wants_npy,
 )
+from vitembed.server.schemas import FLAG, NOT_BOOL
 from vitembed.server.serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from vitembed.settings import HEAD_NAME_MAX
 
@@ -57,8 +58,12 @@ class ClassifyOptionsIn(BaseModel):
     head: str | None = Field(
         None, min_length=1, max_length=HEAD_NAME_MAX, description="a served head (default: the only one)"
     )
-    k: int = Field(5, ge=1, le=1000, description="classifier heads: how many labels per image (alias: top_k)")
-    upsample: bool = Field(False, description="patch heads: class ids at each input image's size too")
+    k: Annotated[int, NOT_BOOL] = Field(
+        5, ge=1, le=1000, description="classifier heads: how many labels per image (alias: top_k)"
+    )
+    upsample: Annotated[bool, FLAG] = Field(
+        False, description="patch heads: class ids at each input image's size too"
+    )
     upsample_mode: Literal["bilinear", "nearest"] = Field(
         "bilinear", description="bilinear on the logits, or nearest on the class ids"
     )

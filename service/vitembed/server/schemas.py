@@ -6,9 +6,9 @@ dozen characters of what the client sent. Turning a body into (images, options) 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
 Dtype = Literal["float32", "float16"]
 Encoding = Literal["float", "base64"]
@@ -46,6 +46,26 @@ def fold_aliases(data: Any) -> Any:
                 raise ValueError(f"give {name!r} or its alias {alias!r}, not both")
             folded[name] = folded.pop(alias)
     return folded
+
+
+def not_bool(value: Any) -> Any:
+    """JSON true/false is not a number (pydantic's lax mode would read it as 1 or 0)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true or false")
+    if isinstance(value, list | tuple) and any(isinstance(item, bool) for item in value):
+        raise ValueError("must be numbers, not true or false")
+    return value
+
+
+def _not_number(value: Any) -> Any:
+    """A JSON number is not true/false (lax mode would read 1 as true); text forms are parsed as words."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+NOT_BOOL = BeforeValidator(not_bool)  # numeric options: JSON true/false refused, as the schema says
+FLAG = BeforeValidator(_not_number)  # boolean options: JSON numbers refused, as the schema says
 
 
 def _split_ints(value: str, what: str, example: str) -> list[int]:
@@ -86,10 +106,10 @@ class EmbedOptionsIn(BaseModel):
         max_length=32,
         description="named defaults for the options not given: default-v2 (current) | default-v1",
     )
-    normalize: bool = Field(False, description="L2-normalise each vector")
+    normalize: Annotated[bool, FLAG] = Field(False, description="L2-normalise each vector")
     dtype: Dtype = Field("float32", description="float32 | float16 (JSON floats are rounded to it)")
     encoding: Encoding = Field("float", description="float (JSON numbers) | base64 (little-endian bytes)")
-    return_grid: bool | None = Field(
+    return_grid: Annotated[bool | None, FLAG] = Field(
         None, description="include each image's patch grid (h, w); default: only for pooling=patch"
     )
     heads: tuple[str, ...] = Field(
@@ -111,6 +131,7 @@ class EmbedOptionsIn(BaseModel):
     @field_validator("layers", mode="before")
     @classmethod
     def _parse_layers(cls, value: Any) -> Any:
+        value = not_bool(value)
         if isinstance(value, str):
             value = _split_ints(value, "layers", "-1 or -4,-3,-2,-1")
         elif isinstance(value, int) and not isinstance(value, bool):
@@ -122,6 +143,7 @@ class EmbedOptionsIn(BaseModel):
     @field_validator("size", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
+        value = not_bool(value)
         if isinstance(value, str):
             value = _split_ints(value.lower().replace("x", ","), "size", "224,224")
             if len(value) == 1:  # one number: a square, as on the CLI and in the library

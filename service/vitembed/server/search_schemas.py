@@ -3,13 +3,13 @@ the search, whose images are parsed by hand)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vit_backbone.catalog.index_search import MAX_K, MAX_NPROBES
 from vitembed.server.openapi_bodies import image_request_body, json_images
-from vitembed.server.schemas import fold_aliases
+from vitembed.server.schemas import NOT_BOOL, fold_aliases
 
 MAX_WHERE_CHARS = 1024
 SEARCH_FIELDS = ("index", "k", "where", "nprobes", "threshold")
@@ -21,20 +21,22 @@ class SearchOptionsIn(BaseModel):
     index: str | None = Field(
         None, min_length=1, max_length=128, description="a served index (default: the only one)"
     )
-    k: int = Field(10, ge=1, le=MAX_K, description=f"results per query, 1..{MAX_K} (alias: top_k)")
+    k: Annotated[int, NOT_BOOL] = Field(
+        10, ge=1, le=MAX_K, description=f"results per query, 1..{MAX_K} (alias: top_k)"
+    )
     where: str | None = Field(
         None,
         min_length=1,
         max_length=MAX_WHERE_CHARS,
         description="SQL predicate on the index's metadata columns, applied before the search",
     )
-    nprobes: int | None = Field(
+    nprobes: Annotated[int | None, NOT_BOOL] = Field(
         None,
         ge=1,
         le=MAX_NPROBES,
         description="IVF partitions an ANN search visits (default: 10% of them, at least 20)",
     )
-    threshold: float | None = Field(
+    threshold: Annotated[float | None, NOT_BOOL] = Field(
         None,
         ge=-1e30,
         le=1e30,
