@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # fixtures' types (tests/service/conftest.py)
 pytestmark = pytest.mark.anyio
 Err = Callable[[httpx.Response], dict[str, Any]]
 ACCEPTED = "JPEG, PNG, WEBP, GIF, BMP, TIFF"
-OPTIONS = "model, pooling, layers, size, policy, normalize, dtype, encoding, return_grid, heads"
+OPTIONS = "model, pooling, layers, size, policy, normalize, dtype, encoding, return_grid, heads, preset"
 
 
 async def assert_next_good_request_is_fast(server: Server, images: Images) -> None:
@@ -218,7 +218,7 @@ async def test_unknown_pooling_and_layers(server: Server, images: Images, err: E
     assert err(response) == {
         "code": "invalid_option",
         "message": "unknown pooling 'max'; choose one of "
-        "cls, pooler, mean, cls_mean, gem, patch, linear_eval",
+        "cls, pooler, projection, mean, cls_mean, gem, patch, linear_eval",
     }
     response = await server.client.post("/v1/embed", files={"image": images.jpeg()}, data={"layers": "5"})
     assert response.status_code == 422

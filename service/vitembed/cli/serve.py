@@ -9,7 +9,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from vit_backbone.errors import MissingExtraError, VitEmbedError
+from vit_backbone.errors import MissingExtraError, ModelLoadError, VitEmbedError
 from vitembed.settings_error import SettingsError as SettingsError  # re-exported: it lived here
 
 # flag -> settings field; flags left unset fall back to VITEMBED_* variables, then to the defaults
@@ -140,6 +140,8 @@ def _preflight_models(settings: Any) -> None:
     for name, target in settings.models.items():
         try:
             checkpoint_facts(target, settings.cache_dir)
+        except ModelLoadError as exc:  # found, but its config.json is unusable: the message names the file
+            raise SettingsError(f"model {name!r}: {exc}") from exc
         except VitEmbedError as exc:
             raise SettingsError(f"--model {name}={target}: {exc}") from exc
 

@@ -140,18 +140,16 @@ def choose_precision(
     return choice
 
 
-WARMUP_IMAGES = 2  # images in the start-up batch that warms the model up and seeds admission's estimate
-
-
 def seed_estimate(
     backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad, settings: ServiceSettings
 ) -> None:
-    """Time one small batch (``WARMUP_IMAGES``) at the default options, so that admission predicts waits from
-    the first request on (later forward passes keep the estimate current). A full batch cost seconds of
-    start-up (bench/startup.py) for an estimate the first real batches replace anyway."""
+    """Time one full batch at the default options, so that admission predicts waits from the first request
+    on (later forward passes keep the estimate current). A full batch, not a smaller one: per-image cost
+    falls with the batch size, and a small batch's would make admission refuse work the server can do
+    (measured: 32 concurrent single images refused with a 2-image seed)."""
     prepared = preprocessor(probe_images()[0], policy=backbone.check_policy(None))
     tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
-    count = max(1, min(WARMUP_IMAGES, settings.max_batch_size, settings.max_batch_tokens // tokens))
+    count = max(1, min(settings.max_batch_size, settings.max_batch_tokens // tokens))
     pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
     valid = stack_valid([prepared] * count)  # [count, h, w] or None
     pixel_values = to_device(pixel_values, backbone.device)
