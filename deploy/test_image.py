@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("VITEMBED_PODMAN_STATE", "/var/tmp/vitembed-podman"))
 IMAGE = "localhost/vitembed:0.1.0-cpu"
-PYTHON_IMAGE = "docker.io/library/python:3.11-slim"
+PYTHON_IMAGE = "localhost/python:3.11-slim"  # the local stand-in, given to the build as PYTHON_IMAGE
 DEBIAN_IMAGE = "localhost/local/debian:bookworm"
 SIZE_LIMIT = 2_000_000_000
 DRAIN_S = 30
@@ -112,7 +112,7 @@ def debian_mirror() -> str:
             parts = line.split()
             if parts[:1] == ["deb"] and "security" not in line:
                 return next(p for p in parts[1:] if p.startswith("http"))
-    return "http://deb.debian.org/debian"
+    raise RuntimeError("debootstrap needs a Debian mirror: none in /etc/apt/sources.list(.d)")
 
 
 def ensure_base_image() -> None:
@@ -196,6 +196,8 @@ def build_image() -> None:
         "--layers",
         "-t",
         IMAGE,
+        "--build-arg",
+        f"PYTHON_IMAGE={PYTHON_IMAGE}",
         *volumes,
         str(ROOT),
         check_rc=False,
