@@ -22,17 +22,32 @@ MAX_FRACTION = 0.8  # at most this much of the height (width) is cut away
 
 def _flat(lines: np.ndarray, tolerance: int, share: float) -> np.ndarray:
     """[n] bool: which of ``lines`` [n, L, 3] are flat (almost every pixel near the line's median)."""
+    lines = lines.astype(np.int16)  # [n, L, 3]: differences of uint8 need a sign
     median = np.median(lines, axis=1, keepdims=True)  # [n, 1, 3]
     near = (np.abs(lines - median) <= tolerance).all(axis=-1)  # [n, L]
     return near.mean(axis=1) >= share
 
 
-def _peel(flat: np.ndarray, start: int, stop: int) -> tuple[int, int]:
-    """Move ``start`` forward and ``stop`` back over flat lines; keeps at least one line."""
-    while start < stop - 1 and flat[start]:
-        start += 1
-    while stop - 1 > start and flat[stop - 1]:
-        stop -= 1
+def _peel(lines: np.ndarray, tolerance: int, share: float, chunk: int = 16) -> tuple[int, int]:
+    """(start, stop) of ``lines`` [n, L, 3] after moving start forward and stop back over flat lines; keeps at
+    least one line. Only lines from the ends inward are examined, a chunk at a time, so an image without a
+    border costs two chunks instead of a median over every line (213 ms for 1600x1200 before)."""
+    n = lines.shape[0]
+    start, stop = 0, n
+    while start < stop - 1:
+        end = min(start + chunk, stop - 1)
+        flat = _flat(lines[start:end], tolerance, share)  # [end - start]
+        if not flat.all():
+            start += int(np.argmin(flat))
+            break
+        start = end
+    while stop - 1 > start:
+        begin = max(stop - chunk, start + 1)
+        flat = _flat(lines[begin:stop], tolerance, share)[::-1]  # [stop - begin], from the end inward
+        if not flat.all():
+            stop -= int(np.argmin(flat))
+            break
+        stop = begin
     return start, stop
 
 
@@ -44,16 +59,14 @@ def trim_box(
     max_fraction: float = MAX_FRACTION,
 ) -> tuple[int, int, int, int] | None:
     """(left, top, right, bottom) of ``image`` without its flat borders, or None when nothing is cut."""
-    a = np.asarray(image.convert("RGB"), dtype=np.int16)  # [H, W, 3]
+    a = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))  # [H, W, 3] uint8
     height, width = a.shape[:2]
     top, bottom, left, right = 0, height, 0, width
     for _ in range(8):  # alternate rows and columns until stable (a bar, then a margin, then the sides)
         before = (top, bottom, left, right)
-        rows = _flat(a[top:bottom, left:right], tolerance, share)  # [bottom - top]
-        t, b = _peel(rows, 0, bottom - top)
+        t, b = _peel(a[top:bottom, left:right], tolerance, share)
         top, bottom = top + t, top + b
-        cols = _flat(a[top:bottom, left:right].transpose(1, 0, 2), tolerance, share)  # [right - left]
-        lft, rgt = _peel(cols, 0, right - left)
+        lft, rgt = _peel(a[top:bottom, left:right].transpose(1, 0, 2), tolerance, share)
         left, right = left + lft, left + rgt
         if (top, bottom, left, right) == before:
             break
