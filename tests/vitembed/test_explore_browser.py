@@ -19,7 +19,6 @@ import base64
 import io
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 from heads_synthetic import CLASSES, labelled_image, make_labelled_folder, make_segmentation_folder
 from PIL import Image
-from test_server_process import ROOT, ServerProcess, free_port, serve_command, server_env, wait_until_ready
+from test_server_process import ServerProcess, start_server
 from vitembed.cli.main import main
 
 from vit_backbone import Backbone
@@ -116,32 +115,11 @@ def flags(
     ]  # fmt: skip
 
 
-def start(model: Path, log_dir: Path, flags: list[str], **env: str) -> ServerProcess:
-    port = free_port()
-    log_path = log_dir / f"serve-{port}.log"
-    log_file = log_path.open("wb")
-    proc = subprocess.Popen(
-        serve_command(model, port, *flags),
-        cwd=ROOT,
-        env=server_env(**env),
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    server = ServerProcess(proc, port, log_path, log_file)
-    try:
-        wait_until_ready(server)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 @pytest.fixture(scope="module")
 def server(
     tiny_path: Path, flags: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    started = start(tiny_path, tmp_path_factory.mktemp("serve_explore"), flags)
+    started = start_server(tiny_path, tmp_path_factory.mktemp("serve_explore"), *flags)
     yield started
     assert started.stop() == 0, started.log()
 
@@ -150,7 +128,9 @@ def server(
 def keyed_server(
     tiny_path: Path, flags: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    started = start(tiny_path, tmp_path_factory.mktemp("serve_keyed"), flags, VITEMBED_API_KEY=API_KEY)
+    started = start_server(
+        tiny_path, tmp_path_factory.mktemp("serve_keyed"), *flags, env={"VITEMBED_API_KEY": API_KEY}
+    )
     yield started
     assert started.stop() == 0, started.log()
 

@@ -96,16 +96,10 @@ def open_server(
 def keyed_server(
     tiny_path: Path, served_data: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """The API key has no flag (it would show in the process list): it goes in VITEMBED_API_KEY, which the
-    shared starter builds from ``server_env``."""
-    import test_server_process
-
-    original = test_server_process.server_env
-    test_server_process.server_env = lambda **extra: original(VITEMBED_API_KEY=KEY, **extra)
-    try:
-        server = start_server(tiny_path, tmp_path_factory.mktemp("serve-contract-key"), *served_data)
-    finally:
-        test_server_process.server_env = original
+    """The API key has no flag (it would show in the process list): it goes in VITEMBED_API_KEY."""
+    server = start_server(
+        tiny_path, tmp_path_factory.mktemp("serve-contract-key"), *served_data, env={"VITEMBED_API_KEY": KEY}
+    )
     yield server
     server.stop()
 

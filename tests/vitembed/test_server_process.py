@@ -127,15 +127,16 @@ def serve_command(model: Path, port: int, *flags: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start_server(model: Path, log_dir: Path, *flags: str) -> ServerProcess:
-    """Start ``vitembed serve`` and return once ``GET /ready`` answers 200 (at most READY_TIMEOUT_S)."""
+def start_server(model: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``vitembed serve`` and return once ``GET /ready`` answers 200 (at most READY_TIMEOUT_S); ``env``
+    adds variables (e.g. ``VITEMBED_API_KEY``, which has no flag) to ``server_env()``."""
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
         serve_command(model, port, *flags),
         cwd=ROOT,
-        env=server_env(),
+        env=server_env(**(env or {})),
         stdin=subprocess.DEVNULL,
         stdout=log_file,
         stderr=subprocess.STDOUT,
