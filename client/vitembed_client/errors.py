@@ -207,6 +207,7 @@ ERROR_CODES: Mapping[str, type[APIError]] = {
     "queue_full": RateLimitError,
     "overloaded": RateLimitError,
     "deadline_too_short": RateLimitError,
+    "quota_exceeded": RateLimitError,
     "client_closed_request": ClientClosedRequestError,
     "internal": InternalServerError,
     "non_finite": InternalServerError,

@@ -66,5 +66,25 @@ class Metrics:
             registry=self.registry,
         )
 
+        # per caller (the API keys file's names, never keys): requests admitted or refused by quota limit
+        self.caller_requests = Counter(
+            "vitembed_caller_requests_total",
+            "requests of callers with quotas, by outcome: admitted, max_images_in_flight, images_per_second",
+            ["caller", "outcome"],
+            registry=self.registry,
+        )
+        self.caller_images = Counter(
+            "vitembed_caller_images_total",
+            "images admitted under a caller's quota",
+            ["caller"],
+            registry=self.registry,
+        )
+        self.caller_in_flight = Gauge(
+            "vitembed_caller_images_in_flight",
+            "a caller's images admitted and not yet answered",
+            ["caller"],
+            registry=self.registry,
+        )
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

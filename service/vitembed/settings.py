@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from vitembed.callers import CallerKeys, load_callers
 
 MiB = 1024 * 1024
 HEAD_NAME_MAX = 64  # the longest head name a request may carry (routes_heads: head=, heads=)
@@ -59,8 +61,12 @@ class ServiceSettings(BaseSettings):
     # /v1/classify upsample=true: mask pixels (H x W summed over the request's images) one answer may carry
     max_upsample_pixels: int = Field(16_000_000, ge=1)
 
-    api_key: str | None = None  # bearer token for /v1/*; None = no auth
+    api_key: str | None = None  # bearer token for /v1/*; None = no auth (with a keys file: caller "default")
+    # JSON file of callers: name -> {"key" | "key_sha256", optional quotas}; see vitembed/callers.py
+    api_keys_file: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    _callers: CallerKeys = PrivateAttr(default_factory=CallerKeys)  # read from api_key + api_keys_file
 
     @field_validator("models")
     @classmethod
@@ -102,6 +108,16 @@ class ServiceSettings(BaseSettings):
                 f"({self.queue_size}): such a request could never be admitted"
             )
         return self
+
+    @model_validator(mode="after")
+    def _read_callers(self) -> ServiceSettings:
+        self._callers = load_callers(self.api_keys_file, self.api_key)
+        return self
+
+    @property
+    def callers(self) -> CallerKeys:
+        """The accepted keys and their callers (``keyed`` false: no auth)."""
+        return self._callers
 
 
 def parse_model_args(values: list[str]) -> dict[str, str]:

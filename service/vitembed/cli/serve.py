@@ -48,6 +48,11 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
         "where the embedded checkpoint is converted (default ~/.cache/vitembed)",
     ),
     "--log-level": ("log_level", str, "debug | info | warning | error (default info)"),
+    "--api-keys-file": (
+        "api_keys_file",
+        str,
+        "JSON file of callers with their API keys and optional quotas (see README; default: none)",
+    ),
 }
 # settings without a flag of their own: environment only
 _ENV_ONLY = (

@@ -34,6 +34,7 @@ from vitembed.server.connection_limits import (
 from vitembed.server.early_refusal import AdmissionGate
 from vitembed.server.errors import RequestContextMiddleware, install_error_handlers
 from vitembed.server.openapi import make_contract
+from vitembed.server.quotas import QuotaBook, QuotaExceededError, QuotaMiddleware, quota_exceeded
 from vitembed.server.routes_embed import embed_router
 from vitembed.server.routes_explore import explore_router, page_router
 from vitembed.server.routes_heads import heads_router
@@ -85,7 +86,8 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     model (in a thread) before the server accepts requests, and stops it at shutdown; an ``engine`` passed
     in belongs to the caller, who starts and stops it."""
     metrics = engine.metrics if engine is not None else Metrics()
-    gate = AdmissionGate(settings, metrics)  # refusals on the request head (vitembed serve's protocol)
+    quotas = QuotaBook(metrics) if settings.callers.limited else None  # per-caller quotas (API keys file)
+    gate = AdmissionGate(settings, metrics, quotas)  # refusals on the request head (serve's protocol)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,9 +128,11 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.admission_gate = gate
+    app.state.quotas = quotas
     app.state.engine = None
     app.state.started_at = time.time()
     install_error_handlers(app)
+    app.add_exception_handler(QuotaExceededError, quota_exceeded)
     for router in (*ROUTERS, page_router):
         app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
@@ -136,6 +140,8 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     app.add_middleware(
         ConcurrencyLimitMiddleware, max_requests=settings.max_concurrent_requests, metrics=metrics
     )
+    if quotas is not None:
+        app.add_middleware(QuotaMiddleware)  # releases a request's quota hold once it is answered
     known_paths = frozenset(str(getattr(route, "path", "")) for router in ROUTERS for route in router.routes)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, known_paths=known_paths)  # last = outermost
     app.openapi = lambda: _openapi_with_body_schemas(app)  # type: ignore[method-assign]

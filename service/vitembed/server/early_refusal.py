@@ -9,23 +9,26 @@ writes the same 429 the app would (error body, ``Retry-After``, ``X-Request-ID``
 
 Only the embedding routes are gated, only when the model is known from the head (the query's ``model`` or
 the only one served), and never for a request the app would refuse first (no or wrong API key, invalid
-``X-Request-Timeout``): those go to the app, which answers them exactly as before.
+``X-Request-Timeout``): those go to the app, which answers them exactly as before. A caller with quotas
+(``quotas.py``) that could not send even one image now gets the app's 429 ``quota_exceeded`` here, checked
+in the app's order: the caller's quota before the server's admission.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import time
 from collections.abc import Sequence
 from urllib.parse import parse_qs
 
+from vitembed.callers import Caller
 from vitembed.engine.admission import QueueFullError
 from vitembed.engine.engine import Engine
 from vitembed.metrics import Metrics
 from vitembed.server.deadlines import TIMEOUT_HEADER
 from vitembed.server.errors import ADMISSION_CODES, admission_message, error_body, sanitise_request_id
+from vitembed.server.quotas import QuotaBook, QuotaExceededError
 from vitembed.settings import ServiceSettings
 
 GATED_PATHS = ("/v1/embed", "/v1/embeddings")
@@ -33,9 +36,10 @@ _TIMEOUT = TIMEOUT_HEADER.lower().encode()
 
 
 class AdmissionGate:
-    def __init__(self, settings: ServiceSettings, metrics: Metrics) -> None:
+    def __init__(self, settings: ServiceSettings, metrics: Metrics, quotas: QuotaBook | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.quotas = quotas
         self.engine: Engine | None = None  # set by the app's lifespan once the models are ready
 
     def __call__(self, path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
@@ -44,7 +48,8 @@ class AdmissionGate:
         if path not in GATED_PATHS or engine is None or not engine.ready:
             return None
         fields = dict(headers)
-        if not self._authorised(fields.get(b"authorization")):
+        authorised, caller = self._caller(fields.get(b"authorization"))
+        if not authorised:
             return None
         budget = self.settings.request_timeout_s
         raw_timeout = fields.get(_TIMEOUT)
@@ -58,6 +63,12 @@ class AdmissionGate:
         model = self._model(path, query)
         if model is None or model not in engine.model_names:
             return None
+        if caller is not None and caller.limited and self.quotas is not None:
+            try:
+                self.quotas.check(caller, 1)
+            except QuotaExceededError as over:
+                self.metrics.requests.labels(path, "429").inc()
+                return over.raw_response(_request_id(fields.get(b"x-request-id")))
         try:
             engine.refuse_early(model, time.monotonic() + budget)
         except QueueFullError as refused:
@@ -65,14 +76,15 @@ class AdmissionGate:
             return _response(refused, fields.get(b"x-request-id"))
         return None
 
-    def _authorised(self, header: bytes | None) -> bool:
-        key = self.settings.api_key
-        if key is None:
-            return True
+    def _caller(self, header: bytes | None) -> tuple[bool, Caller | None]:
+        """(authorised, the caller): (True, None) when the server has no keys."""
+        keys = self.settings.callers
+        if not keys.keyed:
+            return True, None
         scheme, _, token = (header or b"").partition(b" ")
-        return (
-            scheme.lower() == b"bearer" and bool(token) and hmac.compare_digest(token.strip(), key.encode())
-        )
+        token = token.strip()
+        caller = keys.identify(token) if scheme.lower() == b"bearer" and token else None
+        return caller is not None, caller
 
     def _model(self, path: str, query: bytes) -> str | None:
         named = parse_qs(query.decode("latin-1")).get("model") if path == "/v1/embed" and query else None
@@ -83,7 +95,7 @@ class AdmissionGate:
 
 def _response(refused: QueueFullError, incoming_id: bytes | None) -> bytes:
     seconds = max(1, math.ceil(refused.retry_after_s))
-    rid = sanitise_request_id(incoming_id.decode("latin-1") if incoming_id else None)
+    rid = _request_id(incoming_id)
     code = ADMISSION_CODES.get(refused.reason, "queue_full")
     body = json.dumps(
         error_body(code, admission_message(refused, seconds), rid), separators=(",", ":")
@@ -93,3 +105,7 @@ def _response(refused: QueueFullError, incoming_id: bytes | None) -> bytes:
         f"content-length: {len(body)}\r\nretry-after: {seconds}\r\nx-request-id: {rid}\r\n\r\n"
     )
     return head.encode("latin-1") + body
+
+
+def _request_id(incoming_id: bytes | None) -> str:
+    return sanitise_request_id(incoming_id.decode("latin-1") if incoming_id else None)

@@ -139,6 +139,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
         "queue_full": 429,  # the hard cap in images
         "overloaded": 429,  # the predicted wait passes the queue-delay target
         "deadline_too_short": 429,  # the predicted wait passes the request's own deadline
+        "quota_exceeded": 429,  # over the caller's quota (API keys file), error.limit names it (quotas.py)
         "client_closed_request": CLIENT_CLOSED,
         "internal": 500,
         "non_finite": 500,

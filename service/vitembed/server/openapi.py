@@ -1,6 +1,8 @@
 """The OpenAPI document as the contract: what FastAPI generates, made exact for this server.
 
-- Security appears only when the server has an API key (then ``401`` is listed on every ``/v1`` route).
+- Security appears only when the server has API keys (``VITEMBED_API_KEY`` or an API keys file; then
+  ``401`` is listed on every ``/v1`` route). With per-caller quotas, the ``429`` of the routes that take
+  images names ``quota_exceeded`` too.
 - Every status a route can return is listed with the shared error schema: the middleware's (``408`` for a
   body or head that does not arrive, ``413`` for a declared body over the limit, ``503`` ``server_busy``
   or ``not_ready``, ``500``) as well as the route's own; ``429`` declares its ``Retry-After``.
@@ -53,6 +55,10 @@ _DESCRIPTIONS = {
     "index's table was dropped (index_dropped)",
     504: "the request deadline (request_timeout_s or X-Request-Timeout) passed",
 }
+_QUOTA_429 = (
+    "refused at admission before decoding (overloaded, deadline_too_short, queue_full), or over the "
+    "caller's quota (quota_exceeded; error.limit: max_images_in_flight or images_per_second); see Retry-After"
+)
 _RETRY_AFTER = {
     "description": "whole seconds after which the request would fit",
     "schema": {"type": "string", "pattern": "^[0-9]+$"},
@@ -79,9 +85,10 @@ _ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
 _QUERY_OPTIONS: dict[str, type[BaseModel]] = {"/v1/embed": EmbedOptionsIn, "/v1/classify": ClassifyOptionsIn}
 
 
-def error_response(status: int, *, required_retry_after: bool = False) -> dict[str, Any]:
+def error_response(status: int, *, quotas: bool = False) -> dict[str, Any]:
+    description = _QUOTA_429 if quotas and status == 429 else _DESCRIPTIONS.get(status, "error")
     response: dict[str, Any] = {
-        "description": _DESCRIPTIONS.get(status, "error"),
+        "description": description,
         "content": {"application/json": {"schema": ERROR_REF}},
     }
     if status == 429:
@@ -97,7 +104,8 @@ def make_contract(schema: dict[str, Any], settings: ServiceSettings) -> dict[str
     """A copy of ``schema`` made exact for ``settings`` (see the module docstring)."""
     schema = copy.deepcopy(schema)
     components = schema.setdefault("components", {})
-    keyed = settings.api_key is not None
+    keyed = settings.callers.keyed
+    quotas = settings.callers.limited
     if not keyed:
         components.pop("securitySchemes", None)
     for path, item in schema.get("paths", {}).items():
@@ -106,7 +114,7 @@ def make_contract(schema: dict[str, Any], settings: ServiceSettings) -> dict[str
                 continue
             if not keyed:
                 operation.pop("security", None)
-            _list_statuses(path, method, operation, keyed)
+            _list_statuses(path, method, operation, keyed, quotas)
             _limit_images(operation, settings.max_images_per_request)
             if path in _QUERY_OPTIONS:
                 typed_parameters(operation.get("parameters", []), _QUERY_OPTIONS[path])
@@ -136,7 +144,7 @@ def _statuses(path: str, method: str, operation: dict[str, Any], keyed: bool) ->
     return statuses
 
 
-def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: bool) -> None:
+def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: bool, quotas: bool) -> None:
     """Exactly the error statuses of ``_statuses``, each with the shared schema (and its headers)."""
     responses: dict[str, Any] = operation.setdefault("responses", {})
     statuses = _statuses(path, method, operation, keyed)
@@ -144,7 +152,7 @@ def _list_statuses(path: str, method: str, operation: dict[str, Any], keyed: boo
         if int(code) not in statuses:
             del responses[code]
     for status in sorted(statuses):
-        responses[str(status)] = error_response(status)
+        responses[str(status)] = error_response(status, quotas=quotas)
 
 
 def _limit_images(operation: dict[str, Any], max_images: int) -> None:

@@ -24,6 +24,7 @@ from vitembed.engine.engine import (
 from vitembed.metrics import Metrics
 from vitembed.server.deadlines import budget_s
 from vitembed.server.errors import CLIENT_CLOSED, ApiError
+from vitembed.server.quotas import check_quota
 from vitembed.server.schemas import ErrorResponse
 from vitembed.server.serialise import NPY_MEDIA_TYPE
 from vitembed.settings import ServiceSettings
@@ -67,7 +68,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         413: "body over max_body_bytes, too many images, or an image over the byte limit",
         415: "wrong Content-Type or an image format that is not accepted",
         422: "options that cannot be honoured, or an image over the pixel / aspect-ratio limits",
-        429: "the queue is full; see Retry-After",
+        429: "refused at admission, or over the caller's quota (quota_exceeded); see Retry-After",
         500: "internal error, or non-finite model output (code non_finite)",
         503: "models not ready",
         504: "request deadline passed",
@@ -115,9 +116,13 @@ def wants_npy(accept: str | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- engine work
-def refuse_early(engine: Engine, settings: ServiceSettings, model: str | None, deadline: float) -> None:
-    """429 before the body is read when not even one image could be admitted now: the model named in the
-    query, or the only one served (a model named in the body is checked after the parse)."""
+def refuse_early(
+    request: Request, engine: Engine, settings: ServiceSettings, model: str | None, deadline: float
+) -> None:
+    """429 before the body is read when not even one image could be admitted now: first the caller's quota
+    (``quotas.py``), then the server's admission for the model named in the query, or the only one served
+    (a model named in the body is checked after the parse). The request-head gate checks the same."""
+    check_quota(request)
     if model is None and len(settings.models) == 1:
         model = next(iter(settings.models))
     if model is not None and model in engine.model_names:

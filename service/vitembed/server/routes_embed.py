@@ -27,6 +27,7 @@ from vitembed.server.plumbing import (
     unsupported_media_type,
     wants_npy,
 )
+from vitembed.server.quotas import charge_images
 from vitembed.server.schemas import EmbedOptionsIn, EmbedQuery, EmbedResponse
 from vitembed.server.serialise import NPY_MEDIA_TYPE, embed_json, embed_npy, timed
 
@@ -60,7 +61,7 @@ async def embed(
     fields or query parameters. ``Accept: application/x-npy`` returns one ``.npy`` array, provenance in
     ``X-Vitembed-*`` headers."""
     deadline = request_deadline(request, settings)
-    refuse_early(engine, settings, query.model, deadline)
+    refuse_early(request, engine, settings, query.model, deadline)
     body = await read_body(request)
     content_type = request.headers.get("content-type")
     if media_type(content_type) == "multipart/form-data":
@@ -71,6 +72,7 @@ async def embed(
         images, fields = await offload(len(body), parse_embed_json, body, settings.max_images_per_request)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
+    charge_images(request, len(images))  # the caller's quota, before any image is decoded
     options = merge_options(query.model_dump(exclude_none=True), fields)
     model = options.model or next(iter(settings.models))
     engine_options = EmbedOptions(

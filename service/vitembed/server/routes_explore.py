@@ -65,6 +65,7 @@ from vitembed.server.plumbing import (
     run_engine,
     unsupported_media_type,
 )
+from vitembed.server.quotas import charge_images
 from vitembed.server.schemas import NOT_BOOL, not_bool
 
 STATIC = resources.files("vitembed.server") / "static"
@@ -311,6 +312,7 @@ async def patch_features(request: Request, engine: EngineDep, settings: Settings
     deadline = request_deadline(request, settings)
     image, raw = await _one_image(request, FEATURE_FIELDS, settings.max_images_per_request)
     options: FeatureOptionsIn = _validate(FeatureOptionsIn, raw)
+    charge_images(request, 1)  # the caller's quota, before the image is decoded
     model = options.model or next(iter(settings.models))
     tokens, prepared, block, policy = await _tokens_and_view(request, engine, model, image, options, deadline)
     backbone = engine.backbone(model)
@@ -387,6 +389,7 @@ async def patch_similarity_route(request: Request, engine: EngineDep, settings: 
     deadline = request_deadline(request, settings)
     image, raw = await _one_image(request, SIMILARITY_FIELDS, settings.max_images_per_request)
     options: SimilarityOptionsIn = _validate(SimilarityOptionsIn, raw)
+    charge_images(request, 2)  # the caller's quota: the query image and the item's
     served = pick_index(served_indexes(request), options.index)
     model = options.model or served.model
     item, _ = await _item_bytes(request, served, options.id, deadline)

@@ -43,6 +43,7 @@ from vitembed.server.plumbing import (
     unsupported_media_type,
     wants_npy,
 )
+from vitembed.server.quotas import charge_images
 from vitembed.server.schemas import FLAG, NOT_BOOL
 from vitembed.server.serialise import NPY_MEDIA_TYPE, b64, dumps, timed
 from vitembed.settings import HEAD_NAME_MAX
@@ -119,6 +120,7 @@ async def classify(
         images, fields = await offload(len(body), parse_classify_json, body, limit)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
+    charge_images(request, len(images))  # the caller's quota, before any image is decoded
     options = merge_into(ClassifyOptionsIn, query.model_dump(exclude_none=True), fields)
     name = _head_name(engine, options.head)
     bound = engine.bound_head(name)

@@ -22,6 +22,7 @@ from vitembed.server.plumbing import (
     run_engine,
     unsupported_media_type,
 )
+from vitembed.server.quotas import charge_images
 from vitembed.server.schemas import OpenAIEmbeddingResponse
 from vitembed.server.serialise import openai_json, timed
 
@@ -46,11 +47,12 @@ async def embeddings(
     ``embeddings.create`` works unchanged (it asks for base64: float32 little-endian). Vectors are unit length
     unless ``normalize`` (an extra field: ``extra_body={"normalize": False}``) is false."""
     deadline = request_deadline(request, settings)
-    refuse_early(engine, settings, None, deadline)
+    refuse_early(request, engine, settings, None, deadline)
     body = await read_body(request)
     if not is_json(request.headers.get("content-type")):
         raise unsupported_media_type("application/json")
     parsed, images = await offload(len(body), parse_openai, body, settings.max_images_per_request)
+    charge_images(request, len(images))  # the caller's quota, before any image is decoded
     model = parsed.model or next(iter(settings.models))
     options = EmbedOptions(normalize=parsed.normalize)  # unit vectors by default, as OpenAI's are
     outcome = await run_engine(request, engine, model, images, options, deadline)

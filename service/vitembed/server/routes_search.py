@@ -46,6 +46,7 @@ from vitembed.server.plumbing import (
     run_engine,
     unsupported_media_type,
 )
+from vitembed.server.quotas import charge_images
 from vitembed.server.search_schemas import (
     SEARCH_BODY,
     SEARCH_FIELDS,
@@ -110,6 +111,7 @@ async def search(request: Request, engine: EngineDep, settings: SettingsDep) -> 
         images, vector, options = await offload(len(body), _parse_json, body, settings.max_images_per_request)
     else:
         raise unsupported_media_type("multipart/form-data or application/json")
+    charge_images(request, 0 if vector is not None else len(images))  # the caller's quota, before decoding
     name = pick_index(served_indexes(request), options.index).name
     state = search_state(request)
     for last_try in (False, True):  # a table rebuilt between the check and the query: once more, on the new

@@ -293,6 +293,9 @@ class ErrorDetail(BaseModel):
     message: str
     index: int | None = Field(None, description="0-based position of the offending image")
     request_id: str
+    limit: str | None = Field(
+        None, description="quota_exceeded: the caller's limit, max_images_in_flight or images_per_second"
+    )
 
 
 class ErrorResponse(BaseModel):
