@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from .backbone import Backbone
 from .checkpoint import (
@@ -26,6 +25,7 @@ from .checkpoint import (
 )
 from .errors import ModelNotFoundError
 from .model_config import ModelConfig
+from .native_dinov2 import load_native
 from .presets import resolve_presets
 from .projection import load_projection
 from .specs import InterpolationRule
@@ -78,6 +78,13 @@ def instantiate_model(
 ) -> torch.nn.Module:
     spec = config.spec
     use_safetensors = check_weights_safe(folder, allow_pickle=allow_pickle)
+    if use_safetensors:
+        # DINOv2 without transformers' model code: the same network, ~2.5 s less to import (native_dinov2)
+        native = load_native(folder, config, dtype or torch.float32)
+        if native is not None:
+            return native
+    import transformers  # lazily: `import transformers` alone costs ~0.7 s; the native path never needs it
+
     model_class = getattr(transformers, spec.model_class)
     kwargs: dict[str, Any] = {
         "use_safetensors": use_safetensors,

@@ -35,7 +35,9 @@ def test_pickle_only_checkpoint_is_refused_unless_allowed(
     assert torch.equal(bb.features(x).patches, reference.features(x).patches)
 
 
-def test_remote_code_is_never_used(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_remote_code_is_never_used(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "auto_map"
     shutil.copytree(tiny_checkpoints["dinov2"], folder)
     config = json.loads((folder / "config.json").read_text())
@@ -43,7 +45,9 @@ def test_remote_code_is_never_used(tiny_checkpoints: dict[str, Path], tmp_path: 
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "evil.py").write_text("raise SystemExit('remote code ran')\n")
     bb = load_backbone(folder)
-    assert type(bb.model).__name__ == "Dinov2Model"
+    assert type(bb.model).__name__ == "NativeDinov2"  # our network, never the checkpoint's auto_map
+    monkeypatch.setattr("vit_backbone.loading.load_native", lambda *a, **k: None)
+    assert type(load_backbone(folder).model).__name__ == "Dinov2Model"  # nor through transformers
 
 
 def test_unsupported_family_and_missing_folder(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
