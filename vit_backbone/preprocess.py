@@ -121,16 +121,7 @@ class Preprocessor:
         self._check_request(policy, size)
         trim = policy.startswith(TRIM_PREFIX)
         if isinstance(image, bytes | bytearray | memoryview):
-
-            def wanted(source_hw: tuple[int, int]) -> tuple[int, int] | None:
-                return self.min_decode_size(policy, size, source_hw)
-
-            started = time.perf_counter()
-            # trimming looks at the decoded pixels: a draft would be sized for the untrimmed image
-            drafted = wanted if draft and not trim else None
-            decoded = decode(bytes(image), limits=self.limits, min_size=drafted)
-            img, source = decoded.image, decoded.source_size
-            decode_s = time.perf_counter() - started
+            img, source, decode_s = self._decode(bytes(image), policy, size, draft)
         elif isinstance(image, Image.Image):
             decode_s = 0.0
             plain_rgb = image.mode == "RGB" and "transparency" not in image.info
@@ -140,10 +131,10 @@ class Preprocessor:
                 raise ImageDecodeError(
                     f"the image has a zero size ({img.width}x{img.height})", code="zero_size"
                 )
+            if trim:
+                img = trim_borders(img)
         else:
             raise InvalidOptionError(f"expected a PIL.Image.Image or bytes, got {type(image).__name__}")
-        if trim:
-            img = trim_borders(img)
         plan = self._plan(policy, size, (img.height, img.width) if trim else source)
         pixels = self._run_torch(img, plan) if self.config.pipeline == "torch" else self._run_pil(img, plan)
         (ph, pw), (out_h, out_w) = self.patch_size, plan.out
@@ -159,6 +150,43 @@ class Preprocessor:
             decode_s=decode_s,
             valid=valid,
         )
+
+    def _decode(
+        self, data: bytes, policy: ResizePolicy, size: tuple[int, int] | None, draft: bool
+    ) -> tuple[Image.Image, tuple[int, int], float]:
+        """(the image, trimmed for ``trim_*``; the source's display (H, W); seconds decoding).
+
+        A JPEG is drafted (decoded at 1/2, 1/4 or 1/8 in the DCT domain) down to the size the resize needs.
+        A ``trim_*`` policy only knows that size once the border is cut away, so it drafts down to the box
+        and keeps the draft when what is left after trimming still covers the resize; otherwise (a border
+        larger than the draft's margin) it decodes again, at the scale the border asks for (full size if
+        even that falls short), and trims that. A 1600x1200 photo then decodes and trims in ~8 ms instead
+        of ~40 ms (embeddings within cosine 0.9999 of the full-size decode's; 0.997 where a border was
+        trimmed at a smaller scale, its edge a pixel off: tests/vit_backbone/test_trim_draft.py)."""
+        trim = policy.startswith(TRIM_PREFIX)
+
+        def wanted(source_hw: tuple[int, int]) -> tuple[int, int] | None:
+            if trim:
+                box_h, box_w = size or self.config.default_box
+                return box_w, box_h
+            return self.min_decode_size(policy, size, source_hw)
+
+        started = time.perf_counter()
+        decoded = decode(data, limits=self.limits, min_size=wanted if draft else None)
+        if not trim:
+            return decoded.image, decoded.source_size, time.perf_counter() - started
+        img = trim_borders(decoded.image)
+        for attempt in range(2):  # at most: once at the scale the border asks for, once at full size
+            resize = self._plan(policy, size, (img.height, img.width)).resize
+            short = resize is not None and (img.height < resize[0] or img.width < resize[1])
+            if decoded.draft_scale == 1 or not short or resize is None:
+                break
+            # the draft would be upsampled: decode again, scaled up by what the border took away
+            need_w = math.ceil(decoded.image.width * resize[1] / img.width)
+            need_h = math.ceil(decoded.image.height * resize[0] / img.height)
+            decoded = decode(data, limits=self.limits, min_size=(need_w, need_h) if attempt == 0 else None)
+            img = trim_borders(decoded.image)
+        return img, decoded.source_size, time.perf_counter() - started
 
     def target_size(
         self, policy: ResizePolicy, size: tuple[int, int] | None, source_hw: tuple[int, int]
