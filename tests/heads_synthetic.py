@@ -67,11 +67,13 @@ def segmentation_pair(seed: int, height: int = 112, width: int = 112) -> tuple[I
     return image, np.asarray(mask, dtype=np.int64)
 
 
-def make_segmentation_folder(root: Path, count: int = 24, *, seed: int = 0, names: bool = True) -> Path:
-    """``root/<i>.png`` + ``root/<i>.mask.png`` and ``classes.txt``."""
+def make_segmentation_folder(
+    root: Path, count: int = 24, *, seed: int = 0, names: bool = True, size: tuple[int, int] = (112, 112)
+) -> Path:
+    """``root/<i>.png`` + ``root/<i>.mask.png`` (``size`` = (H, W)) and ``classes.txt``."""
     root.mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        image, mask = segmentation_pair(seed * 100_000 + i)
+        image, mask = segmentation_pair(seed * 100_000 + i, *size)
         image.save(root / f"{i:03d}.png")
         Image.fromarray(mask.astype(np.uint8), mode="L").save(root / f"{i:03d}.mask.png")
     if names:

@@ -70,6 +70,8 @@ class Prepared:
     decode_s: float = 0.0  # seconds spent decoding bytes (0 for an image given decoded); the rest is resizing
     # [h, w] float32: the fraction of each patch that holds image (pad's letterbox is 0); None = all image
     valid: np.ndarray | None = None
+    # (top, left, height, width) in pixels of the image inside pad's letterbox; None = the whole tensor
+    image_box: tuple[int, int, int, int] | None = None
 
     def validity(self) -> np.ndarray:
         """[h, w] float32 covered fraction of every patch (all ones without a letterbox)."""
@@ -139,9 +141,9 @@ class Preprocessor:
         pixels = self._run_torch(img, plan) if self.config.pipeline == "torch" else self._run_pil(img, plan)
         (ph, pw), (out_h, out_w) = self.patch_size, plan.out
         grid = (out_h // ph, out_w // pw)
-        valid = None
-        if base_policy(policy) == "pad" and plan.resize is not None and plan.resize != plan.out:
-            valid = patch_coverage(grid, self.patch_size, plan.offset, plan.resize)
+        valid, box = None, _letterbox_box(policy, plan)
+        if box is not None:
+            valid = patch_coverage(grid, self.patch_size, (box[0], box[1]), (box[2], box[3]))
         return Prepared(
             pixel_values=pixels,
             grid=grid,
@@ -149,6 +151,7 @@ class Preprocessor:
             policy=policy,
             decode_s=decode_s,
             valid=valid,
+            image_box=box,
         )
 
     def _decode(
@@ -194,6 +197,15 @@ class Preprocessor:
         """(H, W) of the tensor this policy produces for a source of ``source_hw`` (H, W)."""
         self._check_request(policy, size)
         return self._plan(policy, size, _check_hw("source_hw", source_hw, InvalidOptionError, 1 << 20)).out
+
+    def image_box(
+        self, policy: ResizePolicy, size: tuple[int, int] | None, source_hw: tuple[int, int]
+    ) -> tuple[int, int, int, int] | None:
+        """(top, left, height, width) of a ``source_hw`` image inside ``pad``'s letterbox, as ``__call__``
+        places it (None: the image fills the tensor), known before decoding: what maps per-pixel masks
+        onto the grid and predicted masks back onto the image."""
+        self._check_request(policy, size)
+        return _letterbox_box(policy, self._plan(policy, size, source_hw))
 
     def min_decode_size(
         self, policy: ResizePolicy, size: tuple[int, int] | None, source_size: tuple[int, int]
@@ -339,6 +351,12 @@ def patch_coverage(
     rows = axis(grid[0], patch[0], offset[0], image_hw[0])  # [h]
     cols = axis(grid[1], patch[1], offset[1], image_hw[1])  # [w]
     return np.outer(rows, cols).astype(np.float32)  # [h, w]
+
+
+def _letterbox_box(policy: str, plan: _Plan) -> tuple[int, int, int, int] | None:
+    if base_policy(policy) != "pad" or plan.resize is None or plan.resize == plan.out:
+        return None
+    return (*plan.offset, *plan.resize)
 
 
 def _aligned_offset(box: tuple[int, int], fit: tuple[int, int], patch: tuple[int, int]) -> tuple[int, int]:

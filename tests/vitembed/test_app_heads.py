@@ -42,11 +42,15 @@ def head_paths(
     root = tmp_path_factory.mktemp("heads")
     labelled = make_labelled_folder(root / "labelled", per_class=12)
     seg = make_segmentation_folder(root / "seg", count=20)
+    wide = make_segmentation_folder(root / "wide", count=20, size=(112, 224))
     trained = {
         "lin": train_head(reference, labelled, TrainOptions(kind="linear", pooling="mean", layers=(0,))).head,
         "knn": train_head(reference, labelled, TrainOptions(kind="knn")).head,
         "seg": train_head(reference, seg, TrainOptions(kind="patch", size=(112, 112))).head,
         "other_lin": train_head(load_backbone(other_path), labelled, TrainOptions(kind="linear")).head,
+        "seg_pad": train_head(
+            reference, wide, TrainOptions(kind="patch", policy="pad", size=(224, 224))
+        ).head,
     }
     paths = {}
     for name, head in trained.items():
@@ -104,7 +108,7 @@ async def test_models_list_each_head_with_its_card(server: Server, heads: dict[s
     def shown(name: str) -> dict[str, Any]:  # the card without "data", a path on the server's disk
         return {k: v for k, v in heads[name].card.to_dict().items() if k != "data"}
 
-    assert infos["tiny"]["heads"] == {name: shown(name) for name in ("lin", "knn", "seg")}
+    assert infos["tiny"]["heads"] == {name: shown(name) for name in ("lin", "knn", "seg", "seg_pad")}
     assert infos["other"]["heads"] == {"other_lin": shown("other_lin")}
     assert str(Path(heads["lin"].card.data).parent) not in response.text
 
@@ -286,11 +290,44 @@ async def test_patch_head_grids_and_upsampled_masks(
     np.testing.assert_array_equal(array, np.stack(masks))
 
 
+async def test_a_pad_patch_head_marks_the_letterbox_and_masks_only_the_image(
+    server: Server, reference: Backbone, heads: dict[str, Head]
+) -> None:
+    data = []
+    for i in range(2):
+        image, _ = segmentation_pair(80_000 + i, 112, 224)
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        data.append(buffer.getvalue())
+    grids = predict_masks(reference, heads["seg_pad"], data)  # [16, 16]: rows 0-3 and 12-15 letterbox
+    masks = predict_masks(reference, heads["seg_pad"], data, upsample=True)  # [112, 224]
+    assert all((g[:4] == 255).all() and (g[12:] == 255).all() and (g[4:12] < 3).all() for g in grids)
+    classified = await server.client.post(
+        "/v1/classify", files=[("image", d) for d in data], data={"head": "seg_pad", "upsample": "true"}
+    )
+    assert classified.status_code == 200, classified.text
+    body = classified.json()
+    assert [item["grid"] for item in body["data"]] == [g.tolist() for g in grids]
+    for item, mask in zip(body["data"], masks, strict=True):
+        assert item["size"] == [112, 224]
+        decoded = np.frombuffer(base64.b64decode(item["mask"]["base64"]), np.uint8).reshape(112, 224)
+        np.testing.assert_array_equal(decoded, mask)
+    embedded = await server.client.post(
+        "/v1/embed",
+        files=[("image", d) for d in data],
+        data={"policy": "pad", "size": "224,224", "heads": "seg_pad"},
+    )
+    assert embedded.status_code == 200, embedded.text
+    assert [item["heads"]["seg_pad"]["grid"] for item in embedded.json()["data"]] == [
+        g.tolist() for g in grids
+    ]
+
+
 async def test_refusals_have_exact_bodies(
     server: Server, photos: list[bytes], err: Callable[[Any], dict[str, Any]], images: Images
 ) -> None:
     files = [("image", d) for d in photos[:1]]
-    served = "lin, knn, seg, other_lin"
+    served = "lin, knn, seg, other_lin, seg_pad"
     cases: list[tuple[Any, int, dict[str, Any]]] = [
         (
             server.client.post("/v1/classify", files=files, data={"head": "nope"}),

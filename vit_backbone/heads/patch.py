@@ -3,10 +3,12 @@
 Training targets come from per-image masks (class id = pixel value, 255 = ignore). A mask is reduced to
 the patch grid by area vote: the one-hot mask is average-pooled over each patch's share of the image and
 the patch takes the class covering most of it; a patch more than half covered by ignore pixels is
-ignored. This assumes the policy maps the whole image onto the whole grid (``squash`` and ``dynamic``):
-``crop`` throws part of the image away and ``pad`` adds pixels that belong to no class, so patch heads
-refuse them. Prediction gives class ids on the grid; ``upsample`` resizes the logits bilinearly (or the
-ids by nearest neighbour) back to the input image's size.
+ignored. ``squash`` and ``dynamic`` map the whole image onto the whole grid. ``pad`` letterboxes it: the
+mask is placed where the image is (``place_mask``), the letterbox counts as ignore, so letterbox patches
+never train the head, and predictions mark them ``IGNORE`` on the grid and are cropped to the image before
+``upsample``. ``crop`` throws part of the image away and ``trim_*`` cut it where the pixels say, so a mask
+would not line up: patch heads refuse them. Prediction gives class ids on the grid; ``upsample`` resizes
+the logits bilinearly (or the ids by nearest neighbour) back to the input image's size.
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ from .linear import fit_softmax
 from .softmax import SoftmaxHead, SoftmaxParams
 
 IGNORE = 255  # mask value that marks pixels without a class
-PATCH_POLICIES: tuple[str, ...] = ("squash", "dynamic")
+PATCH_POLICIES: tuple[str, ...] = ("squash", "dynamic", "pad")
 UpsampleMode = Literal["bilinear", "nearest"]
 
 
 def check_patch_policy(policy: str) -> None:
     if policy not in PATCH_POLICIES:
         raise InvalidOptionError(
-            f"patch heads need a policy that maps the whole image onto the whole patch grid "
-            f"({' or '.join(PATCH_POLICIES)}); {policy!r} crops or pads, so masks would not line up"
+            f"patch heads need a policy that keeps the whole image where masks can follow it "
+            f"({', '.join(PATCH_POLICIES)}); {policy!r} crops or trims it, so masks would not line up"
         )
 
 
@@ -50,6 +52,62 @@ def mask_to_grid(mask: np.ndarray, grid: tuple[int, int], num_classes: int) -> t
     covered = shares.sum(dim=0)  # [h, w] share of non-ignored pixels
     ids[(covered <= 0.5) | (best <= 0)] = -1
     return ids
+
+
+Box = tuple[int, int, int, int]  # (top, left, height, width) of the image inside the letterbox, in pixels
+
+
+def place_mask(mask: np.ndarray, out_hw: tuple[int, int], box: Box | None) -> np.ndarray:
+    """[H, W] source mask → the mask of the tensor the model sees ([out_h, out_w]): resized (nearest) into
+    ``box`` with IGNORE on the letterbox; unchanged when the image fills the tensor (``box`` None)."""
+    if box is None:
+        return mask
+    from PIL import Image
+
+    top, left, height, width = box
+    canvas = np.full(out_hw, IGNORE, dtype=np.uint8)  # [out_h, out_w]
+    source = Image.fromarray(np.asarray(mask, dtype=np.uint8))
+    resized = source.resize((width, height), Image.Resampling.NEAREST)
+    canvas[top : top + height, left : left + width] = np.asarray(resized)  # [height, width]
+    return canvas
+
+
+def patch_ids(
+    logits: torch.Tensor,
+    *,
+    patch: tuple[int, int],
+    box: Box | None,
+    upsample_to: tuple[int, int] | None = None,
+    mode: UpsampleMode = "bilinear",
+) -> torch.Tensor:
+    """[h, w, C] logits of one image → class ids: on the grid ([h, w], letterbox patches — less than half
+    image — IGNORE), or at ``upsample_to`` (H, W), the image's own size, cropped to ``box`` first."""
+    h, w = logits.shape[0], logits.shape[1]
+    if upsample_to is None:
+        ids = logits.argmax(dim=-1)  # [h, w]
+        if box is not None:
+            from ..preprocess import patch_coverage
+
+            coverage = torch.from_numpy(patch_coverage((h, w), patch, box[:2], box[2:]))  # [h, w]
+            ids[coverage < 0.5] = IGNORE
+        return ids
+    if box is None:
+        return upsample_logits(logits, upsample_to, mode)
+    top, left, height, width = box
+    tensor_hw = (h * patch[0], w * patch[1])
+    if mode == "nearest":
+        ids = logits.argmax(dim=-1)[None, None].float()  # [1, 1, h, w]
+        full = F.interpolate(ids, size=tensor_hw, mode="nearest")[0, 0]  # [H_t, W_t]
+        crop = full[top : top + height, left : left + width][None, None]  # [1, 1, height, width]
+        return F.interpolate(crop, size=upsample_to, mode="nearest")[0, 0].long()  # [H, W]
+    if mode != "bilinear":
+        raise InvalidOptionError(f"upsample mode must be 'bilinear' or 'nearest', got {mode!r}")
+    full = F.interpolate(
+        logits.permute(2, 0, 1)[None].float(), size=tensor_hw, mode="bilinear", align_corners=False
+    )  # [1, C, H_t, W_t]
+    crop = full[:, :, top : top + height, left : left + width]  # [1, C, height, width]
+    big = F.interpolate(crop, size=upsample_to, mode="bilinear", align_corners=False)  # [1, C, H, W]
+    return big[0].argmax(dim=0)  # [H, W]
 
 
 def upsample_logits(

@@ -14,7 +14,7 @@ from ..errors import InvalidOptionError
 from .base import Head
 from .card import HeadCard
 from .compat import check_compatible
-from .patch import PatchHead, UpsampleMode, upsample_logits
+from .patch import PatchHead, UpsampleMode, patch_ids
 
 if TYPE_CHECKING:
     from ..backbone import Backbone, ImageInput
@@ -72,7 +72,8 @@ def predict_masks(
     upsample: bool = False,
     mode: UpsampleMode = "bilinear",
 ) -> list[np.ndarray]:
-    """Per image the class ids on the patch grid [h, w], or at the input image's size [H, W]."""
+    """Per image the class ids on the patch grid [h, w] (IGNORE on ``pad``'s letterbox), or at the input
+    image's size [H, W]."""
     if not isinstance(head, PatchHead):
         raise InvalidOptionError(f"a {head.card.kind} head gives labels, not masks: use predict_proba")
     inputs, prepared = _prepare(backbone, head, images)
@@ -80,6 +81,12 @@ def predict_masks(
     for item in prepared:  # grids may differ (policy dynamic): one image at a time
         grid = backbone.embed_prepared([item], pooling="patch", layers=inputs.layers)  # [1, h, w, F]
         logits = head.logits(torch.from_numpy(grid))[0]  # [h, w, C]
-        ids = upsample_logits(logits, item.source_size, mode) if upsample else logits.argmax(dim=-1)
+        ids = patch_ids(
+            logits,
+            patch=backbone.patch_size,
+            box=item.image_box,
+            upsample_to=item.source_size if upsample else None,
+            mode=mode,
+        )
         out.append(ids.numpy().astype(np.int64))
     return out

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ..errors import InvalidOptionError
+from ..preprocess import ResizePolicy
 from .base import Head
 from .card import HEAD_KINDS, HeadCard, HeadKind, precision_label, utc_now
 from .compat import check_compatible
@@ -28,7 +29,7 @@ from .data import (
 from .features_cache import CacheStats, FeatureCache, cached_features
 from .knn import TEMPERATURE, KnnHead, fit_knn
 from .linear import LinearHead, fit_softmax
-from .patch import IGNORE, PatchHead, check_patch_policy, fit_patch
+from .patch import IGNORE, PatchHead, check_patch_policy, fit_patch, place_mask
 
 if TYPE_CHECKING:
     from ..backbone import Backbone
@@ -344,12 +345,23 @@ def _train_patch(
         backbone, dataset.images, options, cache, pooling="patch", layers=layers, policy=policy
     )
     masks = [read_mask(m) for m in dataset.masks]
-    for image, mask, prepared_size in zip(dataset.images, masks, _source_sizes(dataset.images), strict=True):
+    sources = _source_sizes(dataset.images)
+    for image, mask, prepared_size in zip(dataset.images, masks, sources, strict=True):
         if mask.shape != prepared_size:
             raise InvalidOptionError(
                 f"mask of {image} is {mask.shape[1]}x{mask.shape[0]}, the image {prepared_size[1]}x"
                 f"{prepared_size[0]}: a mask must have its image's size"
             )
+    pre, typed_policy = backbone.preprocessor, cast(ResizePolicy, policy)
+    # pad: each mask goes where its image is in the letterbox; letterbox pixels are IGNORE (patch.place_mask)
+    masks = [
+        place_mask(
+            mask,
+            pre.target_size(typed_policy, options.size, source),
+            pre.image_box(typed_policy, options.size, source),
+        )
+        for mask, source in zip(masks, sources, strict=True)
+    ]
     order = np.random.default_rng(options.seed).permutation(len(masks))
     n_val = val_count(len(masks), options.val_fraction)
     val, train = np.sort(order[:n_val]), np.sort(order[n_val:])

@@ -261,6 +261,8 @@ class Engine:
             source_sizes=[p.source_size for p in prepared],
             precision=served.precision.label,
             precision_cosine=served.precision.min_cosine,
+            image_boxes=[p.image_box for p in prepared],
+            patch=served.backbone.patch_size,
         )
 
     async def _run(

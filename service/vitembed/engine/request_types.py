@@ -62,3 +62,6 @@ class ClassifyOutcome:
     source_sizes: list[tuple[int, int]]  # (H, W) of each input image
     precision: str  # "float32" | "bfloat16" | "float16"
     precision_cosine: float | None = None  # min cosine to float32 measured at start-up
+    # per image (top, left, height, width) of the image inside pad's letterbox (None: the whole tensor)
+    image_boxes: list[tuple[int, int, int, int] | None] = field(default_factory=list)
+    patch: tuple[int, int] = (1, 1)  # the model's patch size (H, W)

@@ -20,6 +20,7 @@ from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_ma
 from vit_backbone.errors import InvalidOptionError, ModelNotFoundError, VitEmbedError
 from vit_backbone.heads import Head, HeadCard, PatchHead, load_head, read_card
 from vit_backbone.heads.card import precision_label
+from vit_backbone.heads.patch import IGNORE
 from vit_backbone.heads.predict import HeadInputs, head_inputs
 
 if TYPE_CHECKING:
@@ -240,14 +241,20 @@ def card_json(card: HeadCard) -> dict[str, Any]:
     return out
 
 
-def heads_json(heads: Sequence[BoundHead], outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def heads_json(
+    heads: Sequence[BoundHead], outputs: Mapping[str, np.ndarray], valid: np.ndarray | None = None
+) -> dict[str, Any]:
     """One image's head outputs for ``/v1/embed?heads=``: every class with its probability (classifiers),
-    or the class-id grid [h][w] (patch heads). Outputs are finite (checked with ``non_finite_head``)."""
+    or the class-id grid [h][w] (patch heads; 255 where ``valid``, the image's share of each patch, is
+    under half: pad's letterbox). Outputs are finite (checked with ``non_finite_head``)."""
     out: dict[str, Any] = {}
     for head in heads:
         values = outputs[head.name]
         if head.card.kind == "patch":
-            out[head.name] = {"grid": values.argmax(axis=-1).tolist()}
+            grid = values.argmax(axis=-1)  # [h, w]
+            if valid is not None:
+                grid[valid < 0.5] = IGNORE
+            out[head.name] = {"grid": grid.tolist()}
         else:
             out[head.name] = {"labels": labels_json(head.card.classes, values)}
     return out

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from vit_backbone.errors import InvalidOptionError
-from vit_backbone.heads.patch import upsample_logits
+from vit_backbone.heads.patch import patch_ids
 from vitembed.engine.engine import ClassifyOutcome, Engine, RequestTicket
 from vitembed.engine.served_heads import labels_json
 from vitembed.server.auth import require_api_key
@@ -210,12 +210,17 @@ def _patch_body(
     outcome: ClassifyOutcome, options: ClassifyOptionsIn, npy: bool
 ) -> tuple[bytes, dict[str, str]]:
     _check_finite(outcome.outputs)
-    grids = [logits.argmax(axis=-1) for logits in outcome.outputs]  # [h, w] each
+    boxes = outcome.image_boxes or [None] * len(outcome.outputs)
+    logits = [torch.from_numpy(x) for x in outcome.outputs]  # [h, w, C] each
+    # [h, w] each: IGNORE (255) on pad's letterbox
+    grids = [patch_ids(x, patch=outcome.patch, box=box).numpy() for x, box in zip(logits, boxes, strict=True)]
     masks = []
     if options.upsample:
         masks = [
-            upsample_logits(torch.from_numpy(logits), size, options.upsample_mode).numpy()  # [H, W]
-            for logits, size in zip(outcome.outputs, outcome.source_sizes, strict=True)
+            patch_ids(
+                x, patch=outcome.patch, box=box, upsample_to=size, mode=options.upsample_mode
+            ).numpy()  # [H, W]
+            for x, box, size in zip(logits, boxes, outcome.source_sizes, strict=True)
         ]
     if npy:
         arrays = masks if options.upsample else grids

@@ -109,7 +109,8 @@ def embed_json(outcome: EmbedOutcome, *, dtype: str, encoding: str, return_grid:
             bad = non_finite_head(outcome.heads, outcome.head_outputs[index])
             if bad is not None:
                 raise ApiError(500, "non_finite", f"head {bad!r} produced non-finite values", index=index)
-            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index])
+            valid = outcome.valid[index] if outcome.valid else None
+            item["heads"] = heads_json(outcome.heads, outcome.head_outputs[index], valid)
         data.append(item)
     facts = provenance(outcome, dtype)
     if outcome.heads:
