@@ -51,6 +51,11 @@ class ServiceSettings(BaseSettings):
     device: str = "auto"  # the CLI's default everywhere (serve, embed-catalog): CUDA when available
     precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int | None = Field(None, ge=1)
+    # how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval). The
+    # forward thread takes the GIL back after every torch op; under overload the event loop holds it answering
+    # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s
+    # instead of 0.65 s beside a busy Python thread, 0.78 s at 0.5 ms (README, overload)
+    gil_switch_interval_ms: float = Field(0.5, gt=0, le=100)
 
     # limits
     max_body_bytes: int = Field(32 * MiB, ge=1024)

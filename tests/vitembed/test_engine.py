@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vitembed.engine.engine import EmbedOptions, Engine, NotReadyError, RequestImageError, RequestTicket
+from vitembed.engine.engine import (
+    EmbedOptions,
+    Engine,
+    NotReadyError,
+    RequestImageError,
+    RequestTicket,
+    configure_threads,
+)
 from vitembed.engine.precision_cache import CACHE_FILE
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
@@ -180,3 +188,24 @@ def test_auto_precision_follows_cpu_flags_and_vetoes_only_a_clear_slowdown(
 
 def _no_probe(*args: object) -> None:
     raise AssertionError("the cached precision decision should have been used")
+
+
+def test_configure_threads_shortens_the_gil_switch_interval() -> None:
+    """The forward thread takes the GIL back after every torch op; at Python's default 5 ms switch interval
+    each re-take can wait that long behind an event loop busy answering refusals."""
+    before_interval, before_threads = sys.getswitchinterval(), torch.get_num_threads()
+    try:
+        sys.setswitchinterval(0.005)
+        configure_threads(ServiceSettings(torch_threads=1))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert torch.get_num_threads() == 1
+        configure_threads(ServiceSettings(torch_threads=1, gil_switch_interval_ms=2))
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before_interval)
+        torch.set_num_threads(before_threads)
+
+
+def test_gil_switch_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+        ServiceSettings(gil_switch_interval_ms=0)

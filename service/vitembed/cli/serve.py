@@ -58,6 +58,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 _ENV_ONLY = (
     "VITEMBED_API_KEY (bearer token for /v1/*; default: no auth)",
     "VITEMBED_TORCH_THREADS",
+    "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_MAX_IMAGE_PIXELS (default 40000000)",
     "VITEMBED_MAX_ASPECT_RATIO (default 20)",
     "VITEMBED_MAX_TOKENS_PER_IMAGE (default 4096)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,12 +89,7 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Load every model, choose its precision, and run a real forward pass before reporting ready."""
-        # an explicit setting wins; otherwise the CPUs this process may use (affinity, cgroup quota), not the
-        # host's core count torch sees by default (`--cpus 1` in a container -> 1 thread)
-        threads = self.settings.torch_threads or available_cpus()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        log.info("torch threads: %d", threads)
+        configure_threads(self.settings)
         device = pick_device(self.settings.device)
         for name, target in self.settings.models.items():
             self._served[name] = start_model(
@@ -402,6 +398,18 @@ class Engine:
 
     def _record_drop(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
+
+
+def configure_threads(settings: ServiceSettings) -> None:
+    """Process-wide thread settings of a serving process: torch's intra-op threads (an explicit setting
+    wins; otherwise the CPUs this process may use, from affinity and cgroup quota, not the host's core count
+    torch sees by default: `--cpus 1` in a container -> 1 thread) and the GIL switch interval, short so that
+    the forward thread, which takes the GIL back after every torch op, does not wait behind the event loop."""
+    threads = settings.torch_threads or available_cpus()
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    log.info("torch threads: %d; GIL switch interval %g ms", threads, settings.gil_switch_interval_ms)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
