@@ -2,7 +2,7 @@
 folder holding what a reader brings (tests/readme_workspace.py: photos, manifests, labelled folders, a local
 checkpoint; the sample photos of examples/), against a real `vitembed serve` where it calls one. A snippet
 that cannot run on this machine carries `<!-- readme-test: skip: KIND: reason -->` on the line before its
-fence, KIND one of SKIP_KINDS; the skipped ones are listed (`pytest -s`). Every `pip install` line, run or
+fence, KIND one of SKIP_KINDS; each is reported as a skipped test with its reason (`-ra`). Every `pip install` line, run or
 skipped, is resolved from the clone by pip itself (a dry run against this environment: nothing is
 installed).
 
@@ -217,7 +217,11 @@ CHECKS = {
         ]
     ),
     "curl -s -F image=@examples/cat.jpg -F image=@examples/coffee.jpg": Check(
-        [r'"policy": ?"trim_squash"', r'"code": ?"invalid_size"', r"grid\.npy \(1, 16, 16, 384\) float16$"],
+        [
+            r'"policy": ?"trim_squash"',
+            r'"code": ?"invalid_size", ?"message": ?"policy=\'trim_squash\': the requested size 100x100',
+            r"grid\.npy \(1, 16, 16, 384\) float16$",
+        ],
         "python -c \"import numpy as np; a = np.load('grid.npy'); print('grid.npy', a.shape, a.dtype)\"",
     ),
     "import base64, openai": Check(
@@ -402,6 +406,7 @@ def _expected_served(snippet: Snippet) -> dict[str, list[str]]:
 RUN = [s for s in snippets() if s.skip is None]
 MAKERS = [s for s in RUN if not s.calls_server]  # README order: the catalog before its index, ...
 CALLERS = [s for s in RUN if s.calls_server]
+ORDER = MAKERS + CALLERS + [s for s in snippets() if s.skip is not None]  # skipped: reported by `-ra`
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +441,10 @@ def readme_server(made: dict[int, Outcome], workspace: Workspace) -> Iterator[in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("snippet", MAKERS + CALLERS, ids=[s.id for s in MAKERS + CALLERS])
+@pytest.mark.parametrize("snippet", ORDER, ids=[s.id for s in ORDER])
 def test_snippet_runs_as_written(snippet: Snippet, request: pytest.FixtureRequest) -> None:
+    if snippet.skip is not None:
+        pytest.skip(f"README.md:{snippet.line} {snippet.skip[0]}: {snippet.skip[1]}")
     if snippet.calls_server:
         outcome = _run(
             snippet, request.getfixturevalue("workspace"), request.getfixturevalue("readme_server")

@@ -223,7 +223,7 @@ class Preprocessor:
 
     def _plan(self, policy: str, size: tuple[int, int] | None, source_hw: tuple[int, int]) -> _Plan:
         cfg, (ph, pw) = self.config, self.patch_size
-        policy = base_policy(policy)
+        requested, policy = policy, base_policy(policy)  # errors name the policy asked for (trim_squash)
         if policy == "dynamic":
             budget = math.prod(self.native_grid) if size is None else (size[0] // ph) * (size[1] // pw)
             if budget < 1:
@@ -239,7 +239,9 @@ class Preprocessor:
             else:
                 fit = _fit_inside(source_hw, box)
                 plan = _Plan(fit, None, box, _aligned_offset(box, fit, self.patch_size))
-        _check_multiple(plan.out, self.patch_size, f"policy={policy!r}", size is not None, cfg.processor_type)
+        _check_multiple(
+            plan.out, self.patch_size, f"policy={requested!r}", size is not None, cfg.processor_type
+        )
         return plan
 
     def _crop_plan(self, size: tuple[int, int] | None, source_hw: tuple[int, int]) -> _Plan:
