@@ -2,9 +2,9 @@
 folder holding what a reader brings (tests/readme_workspace.py: photos, manifests, labelled folders, a local
 checkpoint; the sample photos of examples/), against a real `vitembed serve` where it calls one. A snippet
 that cannot run on this machine carries `<!-- readme-test: skip: KIND: reason -->` on the line before its
-fence, KIND one of SKIP_KINDS; each is reported as a skipped test with its reason (`-ra`). Every `pip install` line, run or
-skipped, is resolved from the clone by pip itself (a dry run against this environment: nothing is
-installed).
+fence, KIND one of SKIP_KINDS; each is reported as a skipped test with its reason (`-ra`). Every
+`pip install` line, run or skipped, is resolved from the clone by pip itself (a dry run against this
+environment: nothing is installed).
 
 Order is explicit: first every snippet that makes things (catalogs, the index, heads; those ending in
 `vitembed serve` are started, checked for what they serve, and stopped), in README order; then, against one
