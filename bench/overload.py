@@ -22,15 +22,17 @@ admitted requests, p99 of 429 answers (from request start), 504s, 5xx, the load 
 server's RSS before and after. Then memory: RSS after 1,000 and after 10,000 requests (mixed sizes and
 counts, some invalid) on a tiny random-init model (so the run takes a minute; growth is the server's).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--torch-threads N] [--out bench/results]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--torch-threads N] [--out DIR]
 
-Writes ``overload.md`` and ``overload.json``. ``--quick`` shortens every scenario (a smoke run, not
-numbers to quote).
+Writes ``overload.md`` and ``overload.json`` into ``bench/results``; ``--quick`` shortens every scenario (a
+smoke run, not numbers to quote) and writes into a temporary folder unless ``--out`` names one. A full run
+holds the bench lock (``bench.common.machine.bench_lock``) and first waits for a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -47,37 +49,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # python -m bench.overload (the bench package) or python bench/overload.py
-    from bench.overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
-except ImportError:
-    from overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request  # type: ignore[no-redef]
+from bench.common.machine import bench_lock, process_cpu_seconds, process_rss_bytes, wait_for_idle
+from bench.common.report import add_output_options, output_dir
+from bench.common.server import free_port
+from bench.overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
-LOADGEN = Path(__file__).resolve().parent / "overload_loadgen.py"
+LOADGEN = [sys.executable, "-m", "bench.overload_loadgen"]  # run from ROOT
 TORCH_THREADS: int | None = None  # --torch-threads: the server's (default: its own choice)
 DEADLINE_S = 30.0  # the server's default request_timeout_s: a 200 after it is not goodput
 
 
 # ------------------------------------------------------------------------------------------- the processes
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
+    return process_rss_bytes(pid) / 2**20
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+cpu_seconds = process_cpu_seconds
 
 
 @contextmanager
@@ -140,7 +131,8 @@ def run_loadgen(
         "seed": seed,
     }
     done = subprocess.run(
-        [sys.executable, str(LOADGEN), "groups"],
+        [*LOADGEN, "groups"],
+        cwd=ROOT,
         input=json.dumps(spec).encode(),
         capture_output=True,
         check=True,
@@ -362,8 +354,7 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
 
 def memory_suite(out: Path, quick: bool) -> dict[str, Any]:
     """RSS after 1,000 and after 10,000 requests of mixed sizes (some invalid), tiny random-init model."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import make_tiny_checkpoint  # the tests' tiny checkpoints: no downloads
+    make_tiny_checkpoint = _tests_conftest().make_tiny_checkpoint  # the tests' tiny checkpoints: no downloads
 
     total, first = (2_000, 200) if quick else (10_000, 1_000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -399,6 +390,16 @@ def memory_suite(out: Path, quick: bool) -> dict[str, Any]:
     return {"requests": total, "first": first, "rss_mib": rss, "growth": growth, "statuses": statuses}
 
 
+def _tests_conftest() -> Any:
+    """``tests/conftest.py`` as a module (``tests`` is no package), without touching ``sys.path``."""
+    spec = importlib.util.spec_from_file_location("vitembed_tests_conftest", ROOT / "tests" / "conftest.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {ROOT / 'tests' / 'conftest.py'}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _count_requests(
     port: int, payloads: list[bytes], clients: int, per_client: int, seed: int
 ) -> tuple[list[Record], float]:
@@ -411,7 +412,8 @@ def _count_requests(
         "seed": seed,
     }
     done = subprocess.run(
-        [sys.executable, str(LOADGEN), "count"],
+        [*LOADGEN, "count"],
+        cwd=ROOT,
         input=json.dumps(spec).encode(),
         capture_output=True,
         check=True,
@@ -499,8 +501,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="short scenarios (a smoke run)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    add_output_options(parser)
     parser.add_argument("--model", default="embedded=embedded", help="the served model (NAME=PATH_OR_ID)")
     parser.add_argument(
         "--torch-threads",
@@ -511,7 +512,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-overload", action="store_true")
     args = parser.parse_args()
-    out = args.out or ROOT / "bench" / "results"
+    out = output_dir(args, "overload")
     global TORCH_THREADS
     TORCH_THREADS = args.torch_threads
 
@@ -524,10 +525,14 @@ def main() -> None:
         "scenarios": [],
         "capacity": {},
     }
-    if not args.skip_overload:
-        results.update(overload_suite(args.model, out, args.quick))
-    if not args.skip_memory:
-        results["memory"] = memory_suite(out, args.quick)
+    with bench_lock("overload", enabled=not args.quick):
+        if not args.quick:
+            wait_for_idle(0.3, 600)
+            results["load_before"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        if not args.skip_overload:
+            results.update(overload_suite(args.model, out, args.quick))
+        if not args.skip_memory:
+            results["memory"] = memory_suite(out, args.quick)
     results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     write_report(results, out)
     print(f"wrote {out / 'overload.md'}")

@@ -6,8 +6,8 @@ going at a small CPU cost. Modes: closed-loop groups of clients (back to back; o
 ``Retry-After``), open-loop Poisson arrivals, and a fixed count of requests. Scenario JSON on stdin,
 records and this process's CPU seconds as JSON on stdout:
 
-    python bench/overload_loadgen.py groups < spec.json  # {"port", "payloads" (hex), "groups", "seed"}
-    python bench/overload_loadgen.py count < spec.json  # {"port", "payloads", "clients", "per_client"}
+    python -m bench.overload_loadgen groups < spec.json  # {"port", "payloads" (hex), "groups", "seed"}
+    python -m bench.overload_loadgen count < spec.json  # {"port", "payloads", "clients", "per_client"}
 """
 
 from __future__ import annotations
