@@ -370,10 +370,7 @@ def _run_serving(snippet: Snippet, workspace: Workspace) -> Outcome:
                 base = f"http://127.0.0.1:{port}/v1"
                 models = httpx.get(f"{base}/models", timeout=30).json()["data"]
                 served["models"] = sorted(m["id"] for m in models)
-                cards = [
-                    m["info"].get("heads") for m in models
-                ]  # name -> card; an int (attention heads) without
-                served["heads"] = sorted(name for c in cards if isinstance(c, dict) for name in c)
+                served["heads"] = sorted(name for m in models for name in m["info"]["heads"])
                 served["indexes"] = sorted(
                     i["name"] for i in httpx.get(f"{base}/indexes", timeout=30).json()["data"]
                 )

@@ -224,8 +224,11 @@ async def test_health_ready_models_and_metrics(server: Server, reference: Backbo
         "owned_by": "vitembed",
         "default": True,
     }
+    facts = json.loads(json.dumps(reference.info().to_dict()))
     assert card["info"] == {
-        **json.loads(json.dumps(reference.info().to_dict())),
+        **{k: v for k, v in facts.items() if k != "heads"},
+        "attention_heads": facts["heads"],  # Backbone.info()'s heads: attention heads per block
+        "heads": {},  # the served heads (none here)
         "precision": "float32",
         "precision_cosine": None,
     }

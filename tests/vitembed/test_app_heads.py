@@ -110,6 +110,7 @@ async def test_models_list_each_head_with_its_card(server: Server, heads: dict[s
 
     assert infos["tiny"]["heads"] == {name: shown(name) for name in ("lin", "knn", "seg", "seg_pad")}
     assert infos["other"]["heads"] == {"other_lin": shown("other_lin")}
+    assert infos["tiny"]["attention_heads"] == infos["other"]["attention_heads"] == 2  # not the cards
     assert str(Path(heads["lin"].card.data).parent) not in response.text
 
 

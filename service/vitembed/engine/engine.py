@@ -126,17 +126,19 @@ class Engine:
         return self._get(model).precision
 
     def model_infos(self) -> dict[str, dict[str, Any]]:
-        """Each model's facts and precision, plus ``heads`` (name -> card) for a model that has heads."""
+        """Each model's facts and precision, and ``heads``: the served heads on it (name -> card, ``{}`` when
+        none). ``Backbone.info()``'s own ``heads`` (the attention heads per block) is ``attention_heads``
+        here, so that one field never means two things."""
         infos: dict[str, dict[str, Any]] = {}
         for name, served in self._served.items():
+            facts = served.backbone.info().to_dict()
             infos[name] = {
-                **served.backbone.info().to_dict(),
+                **facts,
+                "attention_heads": facts.pop("heads"),
                 "precision": served.precision.label,
                 "precision_cosine": served.precision.min_cosine,
+                "heads": {h.name: card_json(h.card) for h in self._heads.values() if h.model == name},
             }
-            heads = {h.name: card_json(h.card) for h in self._heads.values() if h.model == name}
-            if heads:
-                infos[name]["heads"] = heads
         return infos
 
     @property
