@@ -3,6 +3,7 @@ an unknown option), exit status 2, and a suggestion when the mistake is a near m
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,15 @@ def test_other_usage_errors_stay_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert usage_error(capsys, ["search", "--db", "d", "--table", "t", "--k", "many"]) == [
         "vitembed search: error: argument --k/--top-k: invalid int value: 'many'"
     ]
+
+
+def test_serve_makes_openmp_threads_wait_passively(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set before anything imports torch (the setting fails validation after it)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    usage_error(capsys, ["serve", "--max-batch-size", "0"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
+    usage_error(capsys, ["serve", "--max-batch-size", "0"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
