@@ -97,7 +97,7 @@ class QuotaExceededError(Exception):
         return {"Retry-After": str(self.retry_after), REQUEST_ID_HEADER: rid}
 
     def raw_response(self, rid: str) -> bytes:
-        """The whole HTTP/1.1 answer, for the request-head gate: the app's answer byte for byte in content."""
+        """The whole HTTP/1.1 answer, for the request-head gate: the app's status, body and headers."""
         data = json.dumps(self.body(rid), separators=(",", ":")).encode()
         head = (
             "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
