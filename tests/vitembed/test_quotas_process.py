@@ -11,6 +11,7 @@ against a millisecond forward pass of the tiny model.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -137,3 +138,42 @@ def test_a_wrong_key_is_401_and_the_single_key_still_works(
         metrics = client.get("/metrics").text
     assert all(key not in metrics for key in (CAPPED, METERED, FREE, SINGLE))
     assert all(key not in quota_server.log() for key in (CAPPED, METERED, FREE, SINGLE))
+
+
+def test_a_request_right_behind_a_refusal_on_the_head_keeps_its_connection(
+    quota_server: ServerProcess, images: Images
+) -> None:
+    """The metered caller is over its rate, so the gate refuses it on the request head. Its body and the
+    head of the next request arrive in one read; the next request's body then trickles in past uvicorn's
+    5 s keep-alive timeout: the refusal must not leave that timer armed under it."""
+    with quota_server.client(timeout=60.0) as client:
+        post(client, METERED, images)  # its burst of one image spent (here or by the test above)
+    image = images.jpeg(48, 48, 3)
+
+    def request(key: str) -> bytes:
+        boundary = "q0q0q0"
+        body = (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="a.jpg"\r\n'
+                "Content-Type: image/jpeg\r\n\r\n"
+            ).encode()
+            + image
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        head = (
+            f"POST /v1/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+    refused, served = request(METERED), request(FREE)
+    with socket.create_connection(("127.0.0.1", quota_server.port), timeout=30) as sock:
+        sock.sendall(refused + served[:-10])
+        first = b""
+        while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 429 ") and b'"quota_exceeded"' in first
+        time.sleep(6.0)  # past the keep-alive timeout, with the second request under way
+        sock.sendall(served[-10:])
+        second = sock.recv(65536)
+    assert second.startswith(b"HTTP/1.1 200 "), second[:200]

@@ -120,6 +120,11 @@ def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            # a request begins: no keep-alive timeout. A refused request's on_message_complete arms one, and
+            # the next request can arrive in the same read (its head is parsed right after that body), so
+            # data_received's own cancel has already run: without this, the timer closes the connection
+            # under the next request, which then ends without an answer
+            self._unset_keepalive_if_required()
             self._head_begun = True
             if self._head_timer is None:
                 self._arm_head_timer()
