@@ -31,6 +31,13 @@ class ResolvedCheckpoint:
     revision: str
     source: CheckpointSource
 
+    @property
+    def location(self) -> str:
+        """Where these weights can be loaded from again: the folder, the hub id, or ``embedded``."""
+        if self.source == "local":
+            return str(self.path)
+        return self.name if self.source == "hub" else "embedded"
+
 
 def resolve_checkpoint(
     name_or_path: str | Path, *, cache_dir: Path | None = None, allow_download: bool = True

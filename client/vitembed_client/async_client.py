@@ -42,6 +42,13 @@ class AsyncClient:
         call = p.embed_call(p.as_image_list(images), options)
         return p.read_npy(await self._send(call))
 
+    async def embed_with_provenance(
+        self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """See ``Client.embed_with_provenance``."""
+        response = await self._send(p.embed_call(p.as_image_list(images), options))
+        return p.read_npy(response), p.read_provenance(response)
+
     async def embed_many(
         self,
         images: Iterable[p.ImageInput],

@@ -95,9 +95,17 @@ class Client:
     def embed(self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any) -> np.ndarray:
         """Embeddings of ``images`` in one request, as one array [n, F] (or [n, h, w, F] for
         ``pooling="patch"``); options as for ``POST /v1/embed`` (model, pooling, layers, size, policy,
-        normalize, dtype, return_grid)."""
+        preset, normalize, dtype, return_grid)."""
         call = p.embed_call(p.as_image_list(images), options)
         return p.read_npy(self._send(call))
+
+    def embed_with_provenance(
+        self, images: p.ImageInput | Iterable[p.ImageInput], **options: Any
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """``embed``, and what made the vectors: the answer's provenance (model, revision,
+        preprocess_hash, pooling, layers as resolved, policy, normalized, precision, preset, dim, ...)."""
+        response = self._send(p.embed_call(p.as_image_list(images), options))
+        return p.read_npy(response), p.read_provenance(response)
 
     def embed_many(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import sys
 import uuid
@@ -21,8 +22,21 @@ from .errors import ResponseFormatError
 NPY_MEDIA_TYPE = "application/x-npy"
 USER_AGENT = "vitembed-client/0.1.0"
 # /v1/embed options sent as form fields (embed returns one .npy array, so no encoding or heads here)
-EMBED_OPTIONS = ("model", "pooling", "layers", "size", "policy", "normalize", "dtype", "return_grid")
+EMBED_OPTIONS = (
+    "model",
+    "pooling",
+    "layers",
+    "size",
+    "policy",
+    "preset",
+    "normalize",
+    "dtype",
+    "return_grid",
+)
 CLASSIFY_OPTIONS = ("head", "k", "top_k", "upsample", "upsample_mode")  # top_k: alias of k
+PROVENANCE_PREFIX = "x-vitembed-"
+# provenance headers whose values are JSON (the others are plain strings, sent as they are)
+_JSON_PROVENANCE = frozenset({"layers", "normalized", "precision_cosine", "dim", "grids", "valid"})
 
 # a path (str or PathLike), encoded image bytes, or a PIL image (sent losslessly as PNG)
 ImageInput = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Any]
@@ -173,6 +187,21 @@ def read_npy(response: httpx.Response) -> np.ndarray:
     if not isinstance(array, np.ndarray):
         raise ResponseFormatError("the .npy answer is not one array")
     return array
+
+
+def read_provenance(response: httpx.Response) -> dict[str, Any]:
+    """The ``X-Vitembed-*`` headers of a ``.npy`` answer as the JSON answer's ``provenance`` object
+    (``X-Vitembed-Preprocess-Hash`` -> ``preprocess_hash``), plus ``dim`` and ``grids``."""
+    facts: dict[str, Any] = {}
+    for name, value in response.headers.items():
+        if not name.lower().startswith(PROVENANCE_PREFIX):
+            continue
+        key = name.lower().removeprefix(PROVENANCE_PREFIX).replace("-", "_")
+        try:
+            facts[key] = json.loads(value) if key in _JSON_PROVENANCE else value
+        except ValueError as exc:
+            raise ResponseFormatError(f"the {name} header is not JSON: {value[:64]!r}") from exc
+    return facts
 
 
 def read_json(response: httpx.Response) -> Any:

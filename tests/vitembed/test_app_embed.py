@@ -229,6 +229,7 @@ async def test_health_ready_models_and_metrics(server: Server, reference: Backbo
         **{k: v for k, v in facts.items() if k != "heads"},
         "attention_heads": facts["heads"],  # Backbone.info()'s heads: attention heads per block
         "heads": {},  # the served heads (none here)
+        "location": str(reference.checkpoint.path),
         "precision": "float32",
         "precision_cosine": None,
     }

@@ -157,16 +157,8 @@ def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta
         dim=backbone.output_dim(pooling, layers),
         dtype=spec.dtype,
         preset=defaults.preset,
-        model_location=_location(backbone),
+        model_location=backbone.checkpoint.location,
     )
-
-
-def _location(backbone: Backbone) -> str:
-    """Where ``backbone``'s weights can be loaded from again: its folder, its hub id, or ``embedded``."""
-    checkpoint = backbone.checkpoint
-    if checkpoint.source == "local":
-        return str(checkpoint.path)
-    return checkpoint.name if checkpoint.source == "hub" else "embedded"
 
 
 def read_job_file(folder: Path) -> JobFile | None:

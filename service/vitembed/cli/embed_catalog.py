@@ -5,6 +5,9 @@ Heavy imports (torch, the model, pyarrow, ray) happen inside ``run_embed_catalog
 committed and the command exits with status 130 (SIGINT) or 143 (SIGTERM), the shell's 128 + signal
 number; running it again with the same arguments resumes. A second signal aborts at once, without a
 traceback (the next run still resumes from the last committed shard).
+
+``--server URL`` sends the images to a running ``vitembed serve`` instead of loading the model here
+(``remote_catalog.py``); the catalog it writes is the same, and either path resumes the other's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from vit_backbone.presets import DEFAULT_PRESET, PRESET_NAMES
-from vitembed.cli.options import DEFAULT_DEVICE, DEVICE_HELP, add_layers, add_size
+from vitembed.cli.options import DEFAULT_DEVICE, DEVICE_HELP, add_layers, add_server, add_size
 from vitembed.cli.stop_signals import EXIT_CODES, StopOnSignals
 
 if TYPE_CHECKING:
@@ -40,9 +43,9 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="the catalog folder (created or resumed)")
     parser.add_argument(
         "--model",
-        default="embedded",
         metavar="[NAME=]PATH_OR_ID",
-        help="a checkpoint folder, a hub id from the local cache, or 'embedded' (default)",
+        help="a checkpoint folder, a hub id from the local cache, or 'embedded' (default); with --server "
+        "the name of a served model (default: the server's default model)",
     )
     parser.add_argument("--pooling", choices=POOLING_CHOICES, help="default: the model's")
     add_layers(parser, "block indices (default: the model's)")
@@ -58,11 +61,15 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
         help="compute precision; auto (the server's rule) = bfloat16 autocast only where native, not "
-        "slower and cosine ≥ 0.999 to float32; --engine ray needs an explicit one; float16 needs CUDA",
+        "slower and cosine ≥ 0.999 to float32; float16 needs CUDA; with --server: the server's (auto "
+        "records it, another value is refused)",
     )
-    parser.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    parser.add_argument("--device", help=f"{DEVICE_HELP}; not with --server (the server's device is used)")
     parser.add_argument(
-        "--batch-size", type=int, default=8, help="images per forward pass (default 8, the fastest measured)"
+        "--batch-size",
+        type=int,
+        default=8,
+        help="images per forward pass (default 8, the fastest measured); with --server, images per request",
     )
     parser.add_argument(
         "--workers",
@@ -81,6 +88,24 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="Ray embedder actors (default: one per GPU, or 1 without GPUs)",
+    )
+    add_server(
+        parser,
+        "send the images to a running `vitembed serve` (e.g. http://127.0.0.1:8000) instead of loading the "
+        "model here; same catalog; not with --engine ray, --device, --workers",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="with --server: requests in flight (default 4), so the server batches them together",
+    )
+    parser.add_argument(
+        "--retry-for",
+        type=float,
+        metavar="SECONDS",
+        help="with --server: how long one request keeps retrying 429/503 answers and refused connections "
+        "before the job stops, resumable (default 60)",
     )
     parser.add_argument("--progress", action="store_true", help="show the progress bar even off a terminal")
     parser.add_argument(
@@ -147,6 +172,7 @@ def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
     for flag, value in (("--actors", args.actors), ("--workers", args.workers)):
         if value is not None and value < 1:
             raise InvalidOptionError(f"{flag} must be at least 1")
+    _check_server_flags(args)
     if args.engine == "ray":
         from vit_backbone.catalog.ray_engine import require_ray
 
@@ -158,7 +184,128 @@ def _run(args: argparse.Namespace, stopper: StopOnSignals) -> int:
     from vitembed.cli.progress import require_tqdm
 
     require_tqdm()
+    if args.server:
+        return _embed_remote(args, stopper, settings)
     return _embed(args, stopper, settings, size, layers)
+
+
+def _check_server_flags(args: argparse.Namespace) -> None:
+    """What ``--server`` cannot honour (the server decodes and runs the model) is refused in one line."""
+    from vit_backbone.errors import InvalidOptionError
+
+    if args.server:
+        given = [
+            flag
+            for flag, value in (
+                ("--engine ray", args.engine == "ray"),
+                ("--device", args.device is not None),
+                ("--workers", args.workers is not None),
+                ("--ray-address", args.ray_address),
+                ("--actors", args.actors),
+            )
+            if value
+        ]
+        if given:
+            raise InvalidOptionError(
+                f"{', '.join(given)} cannot be used with --server: the server decodes the images and runs "
+                "the model on its own device (set them on `vitembed serve`); use --concurrency for requests "
+                "in flight"
+            )
+        for flag, number in (("--concurrency", args.concurrency), ("--retry-for", args.retry_for)):
+            if number is not None and not number > 0:
+                raise InvalidOptionError(f"{flag} must be positive, got {number:g}")
+    else:
+        given = [
+            flag
+            for flag, value in (("--concurrency", args.concurrency), ("--retry-for", args.retry_for))
+            if value is not None
+        ]
+        if given:
+            raise InvalidOptionError(f"{', '.join(given)} needs --server URL")
+
+
+def _embed_remote(args: argparse.Namespace, stopper: StopOnSignals, settings: Any) -> int:
+    """``--server``: the same folder, job file and resume rules as ``_embed``, the server embedding."""
+    import dataclasses
+
+    from vit_backbone.catalog.error_log import ERRORS_FILE
+    from vit_backbone.catalog.job_folder import (
+        EmbedSpec,
+        JobRecord,
+        OutputLock,
+        check_existing,
+        open_output,
+        read_job_file,
+    )
+    from vit_backbone.catalog.sources import open_source
+    from vit_backbone.errors import InvalidOptionError
+    from vitembed.cli.progress import ProgressBar
+    from vitembed.cli.remote import connect
+    from vitembed.cli.remote_catalog import RemoteOptions, resolve_served, retry_policy, run_remote
+
+    remote = RemoteOptions(
+        args.server,
+        args.api_key,
+        args.model,
+        concurrency=args.concurrency or 4,
+        retry_for=60.0 if args.retry_for is None else args.retry_for,
+    )
+    spec = EmbedSpec(
+        args.pooling,
+        args.layers,
+        args.size,
+        args.policy,
+        args.normalize,
+        args.dtype,
+        args.precision,
+        args.preset,
+    )
+    source = open_source(args.source)
+    out = Path(args.out).expanduser().resolve()
+    with connect(remote.url, remote.api_key, retry_policy(remote)) as client:
+        job = resolve_served(client, remote, spec)
+        record = JobRecord(
+            source.location,
+            source.kind,
+            source.extra_columns,
+            args.precision,
+            job.precision,
+            len(source.items),
+        )
+        if out.is_dir():
+            check_existing(out, job.meta, record)  # refuse other options before creating the lock file
+        with OutputLock(out):
+            found = read_job_file(out)
+            if found is not None:
+                check_existing(out, job.meta, record)  # again, under the lock
+                if found.record.precision_used not in ("", job.precision):
+                    raise InvalidOptionError(
+                        f"{out} was embedded in {found.record.precision_used} and the server computes in "
+                        f"{job.precision}: one catalog never mixes precisions; start the server with "
+                        f"--precision {found.record.precision_used}, or write to a new --out folder"
+                    )
+                record = dataclasses.replace(record, precision_used=found.record.precision_used)
+            state = open_output(out, job.meta, record, source, retry=_retry(args.retry_errors))
+            meta = job.meta
+            print(
+                f"embed-catalog: {len(source.items)} images in {source.location} ({len(state.done)} already "
+                f"done{f', {state.retried} failures to retry' if state.retried else ''}) -> {out}; model "
+                f"{meta.model} ({meta.revision}) on {remote.url}, pooling {meta.pooling}, layers "
+                f"{meta.layers}, policy {meta.policy}, dim {meta.dim}, {meta.dtype}, compute {job.precision}"
+                ", "
+                f"{settings.batch_size} images a request, {remote.concurrency} in flight",
+                file=sys.stderr,
+                flush=True,
+            )
+            todo = len(source.items) - len(state.done)
+            with stopper, ProgressBar(todo, force=args.progress) as bar:
+                summary = run_remote(
+                    client, job, source, state, settings, remote, stop=stopper.stop, progress=bar.update
+                )
+    print(summary.line(errors_file=str(Path(args.out) / ERRORS_FILE)), flush=True)
+    if not summary.interrupted:
+        return 0
+    return EXIT_CODES[signal.Signals(stopper.received or signal.SIGINT)]
 
 
 def _embed(
@@ -185,13 +332,13 @@ def _embed(
     from vit_backbone.precision import autocast_dtype, pick_device
     from vitembed.cli.progress import ProgressBar
 
-    name, target = parse_model(args.model)
+    name, target = parse_model(args.model or "embedded")
     spec = EmbedSpec(
         args.pooling, layers, size, args.policy, args.normalize, args.dtype, args.precision, args.preset
     )
     source = open_source(args.source)
     try:
-        device = pick_device(args.device)
+        device = pick_device(args.device or DEFAULT_DEVICE)
         if args.engine == "local":
             autocast_dtype(args.precision, device)  # float16 without CUDA: refused before any file is made
     except ValueError as exc:
@@ -278,7 +425,7 @@ def _precision(
 
 
 def _ray_model(args: argparse.Namespace) -> str:
-    return parse_model(args.model)[1]
+    return parse_model(args.model or "embedded")[1]
 
 
 def _ray_session(args: argparse.Namespace) -> Any:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vitembed.cli.options import add_k, add_layers, add_size
+from vitembed.cli.options import add_k, add_layers, add_server, add_size
 
 DEFAULT_CACHE = Path("~/.cache/vitembed/features")
 
@@ -69,10 +69,9 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("images", metavar="IMAGE", nargs="+", type=Path)
     predict.add_argument("--model", default="embedded", help="the backbone the head was trained on")
     add_k(predict, 3, "labels per image (classifier heads)")
-    predict.add_argument(
-        "--server",
-        metavar="URL",
-        help="run on a running `vitembed serve` (e.g. http://127.0.0.1:8000) instead of loading the model "
+    add_server(
+        predict,
+        "run on a running `vitembed serve` (e.g. http://127.0.0.1:8000) instead of loading the model "
         "here; HEAD is then the name of a head it serves (--head NAME=PATH)",
     )
     predict.add_argument("--json", action="store_true", help="one JSON object per image")
@@ -169,7 +168,11 @@ def _predict_remote(args: argparse.Namespace) -> int:
     from vitembed.cli.remote import classify
 
     answers = classify(
-        args.server, str(args.head), [path.read_bytes() for path in args.images], max(1, args.k)
+        args.server,
+        str(args.head),
+        [path.read_bytes() for path in args.images],
+        max(1, args.k),
+        api_key=args.api_key,
     )
     for path, labels in zip(args.images, answers, strict=True):
         if args.json:

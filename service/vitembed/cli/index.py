@@ -14,7 +14,7 @@ from typing import Any
 
 from vit_backbone.catalog.index_defaults import DEFAULT_ANN_THRESHOLD
 from vit_backbone.presets import DEFAULT_PRESET, PRESET_NAMES
-from vitembed.cli.options import add_k, add_layers, add_size
+from vitembed.cli.options import add_k, add_layers, add_server, add_size
 
 
 def _quiet_lance() -> None:
@@ -111,10 +111,9 @@ def configure_search(parser: argparse.ArgumentParser) -> None:
         help="the checkpoint that embedded the table (needed unless it is 'embedded'); its revision and "
         "preprocessing must match the table's",
     )
-    parser.add_argument(
-        "--server",
-        metavar="URL",
-        help="embed the query images on a running `vitembed serve` (e.g. http://127.0.0.1:8000) serving the "
+    add_server(
+        parser,
+        "embed the query images on a running `vitembed serve` (e.g. http://127.0.0.1:8000) serving the "
         "table's model, instead of loading the model here",
     )
     parser.add_argument("--exact", action="store_true", help="bypass the ANN index (exact search)")
@@ -155,7 +154,7 @@ def run_search(args: argparse.Namespace) -> int:
         from vitembed.cli.remote import query_vectors
 
         vectors = query_vectors(
-            args.server, index.meta, [path.read_bytes() for path in args.images]
+            args.server, index.meta, [path.read_bytes() for path in args.images], api_key=args.api_key
         )  # [Q, D]
         labels = [str(path) for path in args.images]
     else:

@@ -5,7 +5,8 @@ means adding an entry, not editing ``main``. Heavy dependencies (torch, transfor
 are imported inside the subcommand that needs them, so ``vitembed --help`` and ``vitembed inspect
 vit-b16`` stay instant and work without the ``service`` extra.
 
-User errors (unknown model, bad size, bad arguments) print one line to stderr and exit with status 2.
+User errors (unknown model, bad size, bad arguments) print one line to stderr and exit with status 2; a
+``--server`` that cannot be reached or refuses the request as a whole prints one line and exits with 1.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from vitembed.cli.serve import SettingsError, configure_serve, run_serve
 
 PROG = "vitembed"
 EXIT_USAGE = 2  # bad arguments, unknown model, invalid size: the user's input, not a crash
+EXIT_SERVER = 1  # --server unreachable, or it refused the request as a whole (code "server_error")
 
 
 @dataclass(frozen=True)
@@ -351,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except (VitEmbedError, OSError, SettingsError) as exc:
         print(f"{PROG} {args.command}: error: {cli_words(_one_line(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_SERVER if getattr(exc, "code", None) == "server_error" else EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -3,18 +3,22 @@
 * ``--layers``: ``8``, ``-4 -3 -2 -1`` or ``-4,-3,-2,-1`` (both forms on every command);
 * ``--size``: ``256`` (a square), ``256 320``, ``256x320`` or ``256,320`` (height then width);
 * ``--k``: the result count (``--top-k`` is accepted as an alias);
-* ``--device``: ``auto`` by default (CUDA when available, else the CPU).
+* ``--device``: ``auto`` by default (CUDA when available, else the CPU);
+* ``--server URL`` and ``--api-key``: embed on a running ``vitembed serve`` (``search``, ``heads predict``,
+  ``embed-catalog``); the key defaults to ``$VITEMBED_API_KEY``, the variable ``serve`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_DEVICE = "auto"
 DEVICE_HELP = "cpu | cuda | auto (auto: CUDA when available, else the CPU)"
+API_KEY_ENV = "VITEMBED_API_KEY"
 
 # argparse reads "-4,-3,-2,-1" as an unknown option (only "-4" looks like a number to it); parsers taking
 # --layers also take comma-joined negative indices as values.
@@ -96,3 +100,14 @@ def cli_words(message: str) -> str:
     ``--policy dynamic`` (the library speaks Python keyword arguments)."""
     message = re.sub(r"""\b(policy|pooling)=['"]?(\w+)['"]?""", r"--\1 \2", message)
     return re.sub(r"\b(size|layers|policy|pooling)=(?=\s|$|[,;.)])", r"--\1", message)
+
+
+def add_server(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--server URL`` and its ``--api-key`` (default: ``$VITEMBED_API_KEY``, as ``serve`` reads it)."""
+    parser.add_argument("--server", metavar="URL", help=help_text)
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"with --server: the server's bearer token (default: ${API_KEY_ENV}, unset = no auth)",
+    )

@@ -135,6 +135,7 @@ class Engine:
             infos[name] = {
                 **facts,
                 "attention_heads": facts.pop("heads"),
+                "location": served.backbone.checkpoint.location,  # what a catalog records (--server)
                 "precision": served.precision.label,
                 "precision_cosine": served.precision.min_cosine,
                 "heads": {h.name: card_json(h.card) for h in self._heads.values() if h.model == name},
