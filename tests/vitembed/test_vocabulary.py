@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 from vitembed.cli.main import build_parser, main
-from vitembed.cli.options import cli_words
+from vitembed.cli.options import DEFAULT_DEVICE, cli_words
 from vitembed.settings import ServiceSettings
 
 from vit_backbone import Backbone
@@ -60,8 +60,14 @@ def test_k_and_its_alias_top_k(argv: list[str]) -> None:
 
 def test_one_device_default() -> None:
     parser = build_parser()
-    assert parser.parse_args(["embed-catalog", "src", "--out", "o"]).device == "auto"
-    assert ServiceSettings().device == "auto"
+    # embed-catalog leaves an unset --device as None (so that --server can refuse a given one) and runs on
+    # DEFAULT_DEVICE; the server's setting has the same default, and the help says it
+    assert parser.parse_args(["embed-catalog", "src", "--out", "o"]).device is None
+    assert DEFAULT_DEVICE == ServiceSettings().device == "auto"
+    catalog_help = " ".join(
+        parser._subparsers._group_actions[0].choices["embed-catalog"].format_help().split()
+    )  # type: ignore[union-attr]
+    assert "auto (auto: CUDA when available, else the CPU) (default: auto)" in catalog_help
     help_text = parser.parse_args(["serve"])  # serve leaves unset flags to the settings
     assert help_text.device is None
 

@@ -64,7 +64,10 @@ def configure_embed_catalog(parser: argparse.ArgumentParser) -> None:
         "slower and cosine ≥ 0.999 to float32; float16 needs CUDA; with --server: the server's (auto "
         "records it, another value is refused)",
     )
-    parser.add_argument("--device", help=f"{DEVICE_HELP}; not with --server (the server's device is used)")
+    parser.add_argument(
+        "--device",
+        help=f"{DEVICE_HELP} (default: {DEFAULT_DEVICE}); not with --server (the server's device is used)",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
