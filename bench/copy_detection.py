@@ -7,12 +7,19 @@ brighter), ``aspect`` (each axis downscaled by its own factor), ``jpeg`` (qualit
 (the image on a border, sometimes with a screenshot-style bar) and ``user`` (crop + maybe flip + brightness
 + per-axis rescale + JPEG 40–80, what a user's copy goes through). Relevant = the tile the query came from.
 
+``--set v2`` (frozen in ``bench/copy_set_v2.json`` before it was first evaluated; a held-out check of the
+choice made on v1, never used to choose): whole photographs from two wallpaper packages plus the bundled
+photos (``bench/common/wallpapers.py``; ``--photos-root`` where the packages are extracted), each downscaled
+to an upload size (long side 640–1024, seeded). ``originals`` of them are queried with the same transforms;
+the others are distractors, each whole and as its two non-overlapping halves. Report:
+``copy_detection_v2.{md,json}``.
+
 Feature variants (one forward each, every candidate block from it, cached on disk under ``--cache``):
 ``pad`` (letterbox masked: pooling weights, attention, positions), ``pad_unmasked`` (the same pixels with
 every patch treated as image: the old ``pad``, up to its half-patch centring), ``squash`` and ``crop``.
 Measuring (``measure``) is separate from writing the report (``write_report``).
 
-    python bench/copy_detection.py [--quick] [--variants pad,pad_unmasked,squash]
+    python bench/copy_detection.py [--quick] [--variants pad,pad_unmasked,squash] [--set v2 --photos-root /]
 """
 
 from __future__ import annotations
@@ -34,13 +41,19 @@ import torch
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common.wallpapers import halves, load_v2_photos, upload_size
+from copy_report import write_report
 from quality import cut_tiles, load_photos, photo_scale
 
 from vit_backbone import Backbone, load_backbone
+from vit_backbone.catalog.dedup import DEFAULT_THRESHOLD
 from vit_backbone.preprocess import stack, stack_valid
 from vit_backbone.retrieval import cosine_scores, per_query_metrics, relevance_ranking, summarize
 
-CONFIG = Path(__file__).resolve().parent / "copy_set.json"
+CONFIGS = {
+    "v1": Path(__file__).resolve().parent / "copy_set.json",
+    "v2": Path(__file__).resolve().parent / "copy_set_v2.json",
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 POOLINGS = ("mean", "gem", "cls", "cls_mean")
 BLOCKS = (8, 9, 10, 11)  # 0-based; the forward stops at the deepest
@@ -53,6 +66,7 @@ class CopySet:
     labels: np.ndarray  # [G + Q]
     transforms: np.ndarray  # [G + Q] str; "" for gallery rows
     gallery: int
+    originals: list[str] | None = None  # set v2: the photo behind each original, in label order
 
 
 def _jpeg(image: Image.Image, quality: int) -> bytes:
@@ -139,16 +153,64 @@ def make_set(config: dict[str, Any], quick: bool) -> CopySet:
         raise ValueError(f"only {len(tiles)} tiles for {n_orig} originals + {n_dist} distractors")
     originals = [tiles[i] for i in order[:n_orig]]
     distractors = [tiles[i] for i in order[n_orig : n_orig + n_dist]]
+    return _with_queries(originals, distractors, config, config["queries_per_original"], rng)
+
+
+def _with_queries(
+    originals: list[Image.Image],
+    distractors: list[Image.Image],
+    config: dict[str, Any],
+    per_original: int,
+    rng: np.random.Generator,
+) -> CopySet:
     items: list[Image.Image | bytes] = [*originals, *distractors]
-    labels = list(range(n_orig)) + [100_000 + k for k in range(n_dist)]
+    labels = list(range(len(originals))) + [100_000 + k for k in range(len(distractors))]
     names = [""] * len(items)
     for name, params in config["transforms"].items():
         for index, image in enumerate(originals):
-            for _ in range(config["queries_per_original"]):
+            for _ in range(per_original):
                 items.append(transform(image, name, params, rng))
                 labels.append(index)
                 names.append(name)
-    return CopySet(items, np.asarray(labels), np.asarray(names), n_orig + n_dist)
+    return CopySet(items, np.asarray(labels), np.asarray(names), len(originals) + len(distractors))
+
+
+def make_set_v2(config: dict[str, Any], quick: bool, root: Path) -> CopySet:
+    """Whole photos at upload size: ``originals`` queried, the rest distractors (whole + two halves each)."""
+    rng = np.random.default_rng(config["seed"])
+    photos = load_v2_photos(root, load_photos())
+    names = list(photos)
+    n_orig, n_dist = config["originals"], config["distractor_photos"]
+    if n_orig + n_dist != len(names):
+        raise ValueError(f"{len(names)} photos for {n_orig} originals + {n_dist} distractor photos")
+    order = rng.permutation(len(names))
+    low, high = config["long_side"]
+
+    def upload(image: Image.Image) -> Image.Image:
+        return upload_size(image, int(rng.integers(low, high + 1)))
+
+    chosen = [names[i] for i in order[:n_orig]]
+    originals = [upload(photos[n]) for n in chosen]
+    others = [photos[names[i]] for i in order[n_orig:]]
+    distractors = [upload(d) for photo in others for d in (photo, *halves(photo))]
+    if quick:
+        chosen, originals, distractors = chosen[:6], originals[:6], distractors[:6]
+    data = _with_queries(originals, distractors, config, 2 if quick else config["queries_per_original"], rng)
+    data.originals = chosen
+    return data
+
+
+def query_widths(data: CopySet) -> dict[str, dict[str, float]]:
+    """Per transform: median and 10th-percentile width (px) of the queries as the model receives them."""
+    g = data.gallery
+    widths = np.asarray(
+        [(Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i).width for i in data.items[g:]]
+    )
+    out = {}
+    for t in dict.fromkeys(data.transforms[g:].tolist()):
+        w = widths[data.transforms[g:] == t]
+        out[t] = {"median": float(np.median(w)), "p10": float(np.percentile(w, 10))}
+    return out
 
 
 def extract(
@@ -217,7 +279,7 @@ def pair_curve(x: np.ndarray, data: CopySet) -> list[dict[str, float]]:
     sims = xn[g:] @ xn[:g].T  # [Q, G]
     same = data.labels[g:, None] == data.labels[None, :g]  # [Q, G]
     curve = []
-    for t in np.round(np.arange(0.50, 0.96, 0.025), 3):
+    for t in sorted({*np.round(np.arange(0.50, 0.96, 0.025), 3).tolist(), DEFAULT_THRESHOLD}):
         above = sims >= t
         tp = int((above & same).sum())
         curve.append(
@@ -228,6 +290,23 @@ def pair_curve(x: np.ndarray, data: CopySet) -> list[dict[str, float]]:
             }
         )
     return curve
+
+
+def at_threshold(x: np.ndarray, data: CopySet, threshold: float) -> dict[str, Any]:
+    """Query–original pairs at one threshold (the dedup default): precision, recall, recall per transform."""
+    g = data.gallery
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    sims = xn[g:] @ xn[:g].T  # [Q, G]
+    same = data.labels[g:, None] == data.labels[None, :g]  # [Q, G]
+    above = sims >= threshold  # [Q, G]
+    hit = (above & same).any(axis=1)  # [Q]: each query has exactly one original
+    names = data.transforms[g:]
+    return {
+        "threshold": threshold,
+        "precision": int((above & same).sum()) / max(1, int(above.sum())),
+        "recall": float(hit.mean()),
+        "recall_by_transform": {t: float(hit[names == t].mean()) for t in dict.fromkeys(names.tolist())},
+    }
 
 
 def _cached(cache: Path, compute: Any, timings: dict[str, float], label: str) -> dict[str, np.ndarray]:
@@ -250,12 +329,17 @@ def fashion_scores(x: np.ndarray, labels: np.ndarray, gallery: int) -> dict[str,
 def measure(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     bb = load_backbone("embedded")
-    data = make_set(config, args.quick)
+    v2 = args.set == "v2"
+    data = make_set_v2(config, args.quick, args.photos_root) if v2 else make_set(config, args.quick)
     box = tuple(config["box"])
-    prefix = "quick-" if args.quick else ""
+    prefix = ("quick-" if args.quick else "") + ("v2-" if v2 else "")
     print(f"copy set: {data.gallery} gallery, {len(data.items) - data.gallery} queries", file=sys.stderr)
     results: dict[str, Any] = {"config": config, "quick": args.quick, "variants": {}, "gallery": data.gallery}
+    results["set"] = args.set
     results["queries_per_transform"] = {t: int((data.transforms == t).sum()) for t in config["transforms"]}
+    results["query_width"] = query_widths(data)
+    if data.originals is not None:
+        results["originals"] = data.originals
     timings: dict[str, float] = results.setdefault("extract_s", {})
     for variant in [v for v in args.variants.split(",") if v]:
         feats = _cached(
@@ -266,6 +350,9 @@ def measure(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
         )
         results["variants"][variant] = {key: score(x, data) for key, x in feats.items()}
         results.setdefault("curves", {})[f"{variant}:mean@8"] = pair_curve(feats["mean@8"], data)
+        results.setdefault("at_default_threshold", {})[f"{variant}:mean@8"] = at_threshold(
+            feats["mean@8"], data, DEFAULT_THRESHOLD
+        )
     if args.fashion_variants:
         from quality import load_fashion
 
@@ -316,53 +403,6 @@ def _square_alias(variant: str) -> str:
     return {"squash": "pad", "pad": "squash"}.get(variant, variant)
 
 
-def write_report(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "copy_detection.json").write_text(json.dumps(results, indent=1))
-    lines = [
-        "# Copy detection on harder copies (bench/copy_detection.py, set frozen in bench/copy_set.json)"
-        + (" — `--quick` smoke run, numbers mean nothing" if results["quick"] else ""),
-        "",
-    ]
-    lines.append(
-        f"Gallery {results['gallery']} (originals + distractor tiles); "
-        f"queries per transform: {results['queries_per_transform']}"
-    )
-    lines.append("")
-    lines.append("| variant | feature | R@1 | mAP | " + " | ".join(results["queries_per_transform"]) + " |")
-    lines.append("|---|---|---|---|" + "---|" * len(results["queries_per_transform"]))
-    for variant, by_key in results["variants"].items():
-        best = sorted(by_key.items(), key=lambda kv: (-kv[1]["r1"], -kv[1]["map"]))[:3]
-        shown = dict(best)
-        if "mean@8" in by_key:
-            shown.setdefault("mean@8", by_key["mean@8"])
-        for key, s in shown.items():
-            rows = " | ".join(f"{s['by_transform'][t]['r1']:.3f}" for t in results["queries_per_transform"])
-            lines.append(f"| {variant} | {key} | {s['r1']:.3f} | {s['map']:.3f} | {rows} |")
-    if results.get("fashion"):
-        f = results["fashion"]
-        lines += [
-            "",
-            f"Candidates (Fashion-MNIST: {f['gallery']} gallery / {f['queries']} queries, seed 0)",
-            "",
-        ]
-        lines += [
-            "| variant | feature | copy R@1 | copy mAP | worst row | F-MNIST R@1 | F-MNIST mAP | meets |"
-        ]
-        lines += ["|---|---|---|---|---|---|---|---|"]
-        for c in [c for c in results["candidates"] if c["fashion_r1"] is not None][:15]:
-            lines.append(
-                f"| {c['variant']} | {c['feature']} | {c['r1']:.3f} | {c['map']:.3f} | "
-                f"{c['worst_row']:.3f} | {c['fashion_r1']:.3f} | {c['fashion_map']:.3f} | "
-                f"{'yes' if c['meets'] else 'no'} |"
-            )
-    for name, curve in results.get("curves", {}).items():
-        lines += ["", f"Pairs query–gallery, {name}: threshold → precision / recall", ""]
-        lines += [f"- {c['threshold']:.3f}: {c['precision']:.3f} / {c['recall']:.3f}" for c in curve]
-    (out / "copy_detection.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -376,11 +416,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "vitembed-copy-cache")
     parser.add_argument("--out", "--out-dir", dest="out_dir", type=Path)
+    parser.add_argument("--set", choices=sorted(CONFIGS), default="v1", help="v1: tiles; v2: whole photos")
+    parser.add_argument(
+        "--photos-root",
+        type=Path,
+        default=Path("/"),
+        help="set v2: where mate-backgrounds and plasma-workspace-wallpapers are installed or dpkg -x'ed",
+    )
     args = parser.parse_args(argv)
     args.variants = args.variants if args.variants is not None else ("pad" if args.quick else "pad,squash")
     if args.quick and args.out_dir is not None:
         args.cache = args.out_dir / "cache"  # a smoke run never reads features cached by another run
-    config = json.loads(CONFIG.read_text())
+    config = json.loads(CONFIGS[args.set].read_text())
     results = measure(args, config)
     out = args.out_dir or (Path(tempfile.mkdtemp()) if args.quick else RESULTS)
     write_report(results, out)
