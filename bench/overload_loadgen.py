@@ -82,11 +82,15 @@ class Record:
     end: float
     status: int  # 0: the connection failed
     retry_after: float | None
+    # sent on a connection before the Retry-After of its last 429 had passed (a client ignoring it); a server
+    # that enforces Retry-After holds such a request until then, so its latency is reported apart
+    early: bool = False
 
 
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.refused_until = 0.0  # scenario time until which the last 429's Retry-After runs
 
     @classmethod
     async def open(cls, port: int) -> Connection:
@@ -144,12 +148,15 @@ async def run_groups(port: int, payloads: list[bytes], groups: list[Group], seed
         conn: Connection | None = None
         k = index
         stop_at = group.start_s + group.duration_s
+        refused_until = 0.0
         while now() < stop_at:
             began = now()
+            early = began < refused_until
             conn, status, headers = await _one(port, conn, payloads[k % len(payloads)])
             k += len(payloads) // 2 + 1
             retry = float(headers["retry-after"]) if "retry-after" in headers else None
-            records.append(Record(group.name, began, now(), status, retry))
+            records.append(Record(group.name, began, now(), status, retry, early))
+            refused_until = now() + retry if status == 429 and retry is not None else 0.0
             if status == 429 and group.honour_retry_after and retry is not None:
                 await asyncio.sleep(min(retry, max(0.0, stop_at - now())))
         if conn is not None:
@@ -166,10 +173,12 @@ async def run_groups(port: int, payloads: list[bytes], groups: list[Group], seed
         async def arrival(payload: bytes) -> None:
             conn = idle.pop() if idle else None
             began = now()
+            early = conn is not None and began < conn.refused_until
             conn, status, headers = await _one(port, conn, payload)
             retry = float(headers["retry-after"]) if "retry-after" in headers else None
-            records.append(Record(group.name, began, now(), status, retry))
+            records.append(Record(group.name, began, now(), status, retry, early))
             if conn is not None:
+                conn.refused_until = now() + retry if status == 429 and retry is not None else 0.0
                 idle.append(conn)
 
         while True:

@@ -65,6 +65,12 @@ class Metrics:
             buckets=(*_LATENCY_BUCKETS, 20.0, 30.0, 60.0),
             registry=self.registry,
         )
+        self.admission_calibration = Gauge(
+            "vitembed_admission_calibration",
+            "actual / predicted wait of recent admitted requests, which scales the predictions (1 = exact)",
+            ["model"],
+            registry=self.registry,
+        )
 
         # per caller (the API keys file's names, never keys): requests admitted or refused by quota limit
         self.caller_requests = Counter(

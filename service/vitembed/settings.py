@@ -45,6 +45,9 @@ class ServiceSettings(BaseSettings):
     max_concurrent_requests: int = Field(512, ge=1)
     body_timeout_s: float = Field(30.0, gt=0)
     header_timeout_s: float = Field(10.0, gt=0)
+    # a connection refused on its request head is read again only once the Retry-After it was given has
+    # passed: clients that ignore Retry-After wait for it instead of costing a refusal per round trip
+    enforce_retry_after: bool = True
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
     # kept only if warm-up embeddings stay within cosine 0.999 of float32

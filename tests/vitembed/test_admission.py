@@ -15,6 +15,7 @@ from vitembed.engine.admission import (
     Decision,
     QueueFullError,
     ThroughputEstimate,
+    WaitCalibration,
     decide,
 )
 
@@ -182,3 +183,44 @@ def test_the_throughput_estimate_follows_recent_passes() -> None:
     assert estimate.per_image_s(300) == 0.375  # never measured: scaled from the nearest token count
     estimate.observe(300, 2, 1.0)
     assert estimate.per_image_s(300) == 0.5 and estimate.per_image_s(250) == 0.5 * 250 / 300
+
+
+def test_the_wait_calibration_follows_actual_over_predicted_within_bounds() -> None:
+    calibration = WaitCalibration(weight=0.5, min_predicted_s=0.5, bounds=(0.75, 4.0))
+    calibration.observe(predicted_s=0.2, actual_s=5.0)  # too short a prediction to say anything
+    assert calibration.factor == 1.0
+    calibration.observe(predicted_s=1.0, actual_s=2.0)
+    assert calibration.factor == 1.5
+    calibration.observe(predicted_s=1.0, actual_s=2.0)
+    assert calibration.factor == 1.75
+    calibration.observe(predicted_s=1.0, actual_s=100.0)  # one stuck request moves it at most to the bound
+    assert calibration.factor == 1.75 + 0.5 * (4.0 - 1.75)
+    for _ in range(40):
+        calibration.observe(predicted_s=2.0, actual_s=0.1)  # faster than predicted: down to the lower bound
+    assert calibration.factor == pytest.approx(0.75)
+
+
+def test_a_calibrated_model_load_admits_only_what_it_can_serve_within_the_target() -> None:
+    """Measured waits twice the forward-pass estimate halve the queue admitted for a 1 s target: four
+    single images of 0.125 s (calibrated 0.25 s) instead of eight; Retry-After and the predicted wait
+    are calibrated too, and the calibration compares the actual wait with the uncalibrated prediction."""
+    control = AdmissionControl(capacity=16, target_s=1.0)
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image of 100 tokens
+    load.calibration = WaitCalibration(weight=1.0)
+    first = load.admit(1, 100, deadline_left_s=30.0)
+    first.uncalibrated_wait_s = 0.5  # as if admitted behind three others
+    load.settle(first, actual_wait_s=1.0)
+    assert load.calibration.factor == 2.0
+    first.release()
+    admitted = [load.admit(1, 100, deadline_left_s=30.0) for _ in range(4)]
+    assert [r.predicted_wait_s for r in admitted] == [0.25 * (i + 1) for i in range(4)]
+    assert [r.uncalibrated_wait_s for r in admitted] == [0.125 * (i + 1) for i in range(4)]
+    with pytest.raises(QueueFullError) as refused:
+        load.admit(1, 100, deadline_left_s=30.0)
+    assert (refused.value.reason, refused.value.retry_after_s, refused.value.predicted_wait_s) == (
+        QUEUE_DELAY,
+        0.25,
+        1.25,
+    )
+    assert load.predicted_wait_s(1, 100) == 1.25

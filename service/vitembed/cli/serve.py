@@ -201,7 +201,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # (status -15). This handler turns that last step into a clean exit with status 0.
     previous = _exit_cleanly_on_sigterm()
     app = create_app(settings)
-    protocol = header_timeout_protocol(settings.header_timeout_s, gate=app.state.admission_gate)
+    protocol = header_timeout_protocol(
+        settings.header_timeout_s,
+        gate=app.state.admission_gate,
+        enforce_retry_after=settings.enforce_retry_after,
+    )
     try:
         uvicorn.run(
             app,

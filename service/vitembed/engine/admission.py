@@ -35,6 +35,11 @@ REASONS = (QUEUE_FULL, QUEUE_DELAY, DEADLINE)
 
 ESTIMATE_WINDOW = 32  # forward passes per token count that the throughput estimate remembers
 ESTIMATE_KEYS = 64  # token counts remembered per model (least recently observed forgotten first)
+# the wait calibration (``WaitCalibration``): requests predicted to wait less than this are too dominated by
+# fixed costs (decode, the response) to say how far the forward-pass estimate is off
+CALIBRATION_MIN_PREDICTED_S = 0.5
+CALIBRATION_WEIGHT = 0.1  # of each new request in the running mean of actual / predicted
+CALIBRATION_BOUNDS = (0.75, 4.0)  # how far the factor may scale predictions down and up
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,35 @@ class ThroughputEstimate:
         return None if known is None else known * tokens / max(1, nearest)
 
 
+class WaitCalibration:
+    """How much longer admitted requests actually waited than the forward-pass estimate predicted: a
+    running mean of actual / predicted, which scales every prediction.
+
+    The estimate times forward passes only. Under a flood the same machine also decodes, answers
+    refusals on the event loop and may share its cores with a neighbour, so a request admitted on a 2 s
+    prediction waited 3-5 s (README, overload). The ratio is measured per request, from admission to its
+    last row, against the prediction before calibration (so the factor does not chase itself), and only
+    for requests predicted to wait at least ``min_predicted_s``."""
+
+    def __init__(
+        self,
+        *,
+        weight: float = CALIBRATION_WEIGHT,
+        min_predicted_s: float = CALIBRATION_MIN_PREDICTED_S,
+        bounds: tuple[float, float] = CALIBRATION_BOUNDS,
+    ) -> None:
+        self.weight = weight
+        self.min_predicted_s = min_predicted_s
+        self.bounds = bounds
+        self.factor = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s < self.min_predicted_s or actual_s < 0:
+            return
+        ratio = min(max(actual_s / predicted_s, self.bounds[0]), self.bounds[1])
+        self.factor += self.weight * (ratio - self.factor)
+
+
 class QueueFullError(Exception):
     """Refused at admission; ``reason`` is one of ``REASONS``, ``retry_after_s`` when it would fit."""
 
@@ -131,11 +165,20 @@ class QueueFullError(Exception):
 class Reservation:
     """The images of one admitted request that have not yet reached a forward pass."""
 
-    def __init__(self, load: ModelLoad, tokens: int, images: int, predicted_wait_s: float) -> None:
+    def __init__(
+        self,
+        load: ModelLoad,
+        tokens: int,
+        images: int,
+        predicted_wait_s: float,
+        uncalibrated_wait_s: float | None = None,
+    ) -> None:
         self.load = load
         self.tokens = tokens
         self.remaining = images
-        self.predicted_wait_s = predicted_wait_s
+        self.predicted_wait_s = predicted_wait_s  # calibrated: what admission judged
+        # the forward-pass estimate's own prediction (what the calibration compares the actual wait with)
+        self.uncalibrated_wait_s = predicted_wait_s if uncalibrated_wait_s is None else uncalibrated_wait_s
         self.admitted_at = time.monotonic()
 
     def release(self, count: int | None = None) -> None:
@@ -152,6 +195,7 @@ class ModelLoad:
         self.name = name
         self.batch_wait_s = batch_wait_s
         self.estimate = ThroughputEstimate()
+        self.calibration = WaitCalibration()
         self._reserved: Counter[int] = Counter()  # expected tokens -> images
         self._running = 0  # images in the forward pass now
         self._running_s = 0.0  # its predicted duration
@@ -164,10 +208,12 @@ class ModelLoad:
         control = self._control
         with control.lock:
             per_image = self.estimate.per_image_s(tokens) or 0.0
+            ahead = self._ahead_s()
+            factor = self.calibration.factor
             decision = decide(
                 images=images,
-                per_image_s=per_image,
-                ahead_s=self._ahead_s(),
+                per_image_s=per_image * factor,
+                ahead_s=ahead * factor,
                 held_images=control.held,
                 capacity_images=control.capacity,
                 target_s=control.target_s,
@@ -181,11 +227,12 @@ class ModelLoad:
                     predicted_wait_s=decision.predicted_wait_s,
                     limit_s=decision.limit_s,
                 )
+            uncalibrated = self.batch_wait_s + ahead + images * per_image
             if not reserve:
-                return Reservation(self, tokens, 0, decision.predicted_wait_s)
+                return Reservation(self, tokens, 0, decision.predicted_wait_s, uncalibrated)
             self._reserved[tokens] += images
             control.held += images
-            return Reservation(self, tokens, images, decision.predicted_wait_s)
+            return Reservation(self, tokens, images, decision.predicted_wait_s, uncalibrated)
 
     def _ahead_s(self) -> float:
         """Predicted seconds until work admitted now could start (caller holds the lock)."""
@@ -200,7 +247,12 @@ class ModelLoad:
     def predicted_wait_s(self, images: int, tokens: int) -> float:
         with self._control.lock:
             per_image = self.estimate.per_image_s(tokens) or 0.0
-            return self.batch_wait_s + self._ahead_s() + images * per_image
+            return self.batch_wait_s + self.calibration.factor * (self._ahead_s() + images * per_image)
+
+    def settle(self, reservation: Reservation, actual_wait_s: float) -> None:
+        """An admitted request got its last row ``actual_wait_s`` after admission: calibrate predictions."""
+        with self._control.lock:
+            self.calibration.observe(reservation.uncalibrated_wait_s, actual_wait_s)
 
     def release(self, reservation: Reservation, count: int) -> None:
         with self._control.lock:

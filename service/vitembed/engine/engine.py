@@ -297,7 +297,10 @@ class Engine:
             results.add_done_callback(_consume)  # nobody awaits it any more; don't log it as lost
             raise
         self.metrics.images.labels(served.name).inc(len(items))
-        self.metrics.admission_wait.labels("actual").observe(time.monotonic() - reservation.admitted_at)
+        waited = time.monotonic() - reservation.admitted_at
+        self.metrics.admission_wait.labels("actual").observe(waited)
+        served.load.settle(reservation, waited)
+        self.metrics.admission_calibration.labels(served.name).set(served.load.calibration.factor)
         return list(rows)
 
     def refuse_early(self, model: str, deadline: float) -> None:

@@ -27,7 +27,12 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vitembed.metrics import Metrics
-from vitembed.server.errors import ApiError, error_response, sanitise_request_id
+from vitembed.server.errors import (
+    RETRY_AFTER_SCOPE_KEY,
+    ApiError,
+    error_response,
+    sanitise_request_id,
+)
 
 log = logging.getLogger("vitembed.service")
 
@@ -98,9 +103,32 @@ class BodyTimeoutMiddleware:
 Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
 
 
-def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -> type[Any] | None:
+MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
+
+
+def retry_after_of(response: bytes) -> float:
+    """The seconds a raw HTTP answer's ``retry-after`` header names (0 without one)."""
+    head = response.partition(b"\r\n\r\n")[0].lower()
+    start = head.find(b"\r\nretry-after:")
+    if start < 0:
+        return 0.0
+    value = head[start + len(b"\r\nretry-after:") :].partition(b"\r\n")[0]
+    try:
+        return max(0.0, float(value.strip()))
+    except ValueError:
+        return 0.0
+
+
+def header_timeout_protocol(
+    header_timeout_s: float, gate: Gate | None = None, *, enforce_retry_after: bool = False
+) -> type[Any] | None:
     """uvicorn's httptools protocol with a deadline on the request head and, with ``gate``, refusals
-    answered on the request head (``early_refusal.AdmissionGate``); None without httptools."""
+    answered on the request head (``early_refusal.AdmissionGate``); None without httptools.
+
+    With ``enforce_retry_after``, a connection whose request was refused on its head is not read again
+    until the ``Retry-After`` it was given has passed: a client that ignores it and sends again at once
+    waits for that time (then its request is judged as usual), instead of spending a refusal's CPU per
+    round trip. Clients that honour ``Retry-After`` never notice; other connections are not affected."""
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -113,6 +141,35 @@ def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -
         _head_begun = False
         _discarding = False  # a request answered on its head: its body is read and dropped
         _close_after = False
+        _retry_at: float | None = None  # loop time before which a new request on this connection is early
+        _held: list[bytes] | None = None  # an early request's bytes, read once its Retry-After has passed
+        _release_timer: asyncio.TimerHandle | None = None
+
+        def data_received(self, data: bytes) -> None:
+            if self._held is not None:
+                self._held.append(data)
+                return
+            if self._retry_at is not None and not self._discarding:
+                early = self._retry_at - self.loop.time()
+                idle = self.cycle is None or self.cycle.response_complete
+                if early > 0 and idle:  # a new request before the Retry-After this connection was given
+                    self._held = [data]
+                    self.flow.pause_reading()
+                    self._unset_keepalive_if_required()
+                    self._release_timer = self.loop.call_later(early, self._release_held)
+                    return
+                self._retry_at = None
+            super().data_received(data)
+
+        def _release_held(self) -> None:
+            self._release_timer = None
+            held, self._held = self._held or [], None
+            self._retry_at = None
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            for chunk in held:  # a chunk that starts another early request is held again
+                self.data_received(chunk)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -149,6 +206,8 @@ def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -
             self._discarding = True
             self._close_after = self.expect_100_continue or not self.parser.should_keep_alive()
             self.transport.write(answer)
+            if enforce_retry_after:
+                self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after_of(answer))
             if self.expect_100_continue:  # the client waits for us before sending a body: none will come
                 self.transport.close()
             return True
@@ -169,8 +228,19 @@ def header_timeout_protocol(header_timeout_s: float, gate: Gate | None = None) -
                     self.timeout_keep_alive, self.timeout_keep_alive_handler
                 )
 
+        def on_response_complete(self) -> None:
+            # a 429 the app gave (after reading the body): this connection waits out its Retry-After too
+            retry_after = self.scope.get(RETRY_AFTER_SCOPE_KEY) if enforce_retry_after else None
+            if isinstance(retry_after, float) and retry_after > 0:
+                self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after)
+            super().on_response_complete()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
+            if self._release_timer is not None:
+                self._release_timer.cancel()
+                self._release_timer = None
+            self._held = None
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:

@@ -377,6 +377,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ------------------------------------------------------------------------------------------- middleware
+# where RequestContextMiddleware leaves the seconds of a 429's Retry-After, for the connection's protocol
+RETRY_AFTER_SCOPE_KEY = "vitembed.retry_after_s"
+
+
 class RequestContextMiddleware:
     """Pure ASGI, outermost of ours: assigns the request id and echoes it, counts every answer by route
     template and status, and turns any exception that escaped the handlers into the generic 500 (logged
@@ -400,6 +404,8 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = [h for h in message.get("headers", []) if h[0].lower() != header[0]]
+                if status == 429:  # for the connection (connection_limits): how long it was told to wait
+                    scope[RETRY_AFTER_SCOPE_KEY] = _retry_after(headers)
                 message = {**message, "headers": [*headers, header]}
             await send(message)
 
@@ -412,6 +418,16 @@ class RequestContextMiddleware:
             await internal_error_response(scope, exc)(scope, receive, send_with_id)
         finally:
             self.metrics.requests.labels(_route_template(scope, self.known_paths), str(status or 500)).inc()
+
+
+def _retry_after(headers: list[tuple[bytes, bytes]]) -> float:
+    for name, value in headers:
+        if name.lower() == b"retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 def _route_template(scope: Scope, known_paths: frozenset[str]) -> str:

@@ -1,0 +1,174 @@
+"""``enforce_retry_after``: a connection refused on its request head is read again only once its
+``Retry-After`` has passed. A real uvicorn server on 127.0.0.1 with the serving protocol
+(``connection_limits.header_timeout_protocol``) and a gate that refuses requests marked ``x-refuse``; the
+clients are raw sockets, so the timings are the server's. Lower bounds are the timer's (robust); upper
+bounds are generous for a VM whose speed drifts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from vitembed.metrics import Metrics
+from vitembed.server.connection_limits import header_timeout_protocol, retry_after_of
+from vitembed.server.errors import RequestContextMiddleware
+
+HOST = "127.0.0.1"
+RETRY_AFTER_S = 2
+PROMPT_S = 1.0  # "at once", with room for a busy machine
+BODY = b"x" * 50_000  # a body the refused request still sends (read and dropped)
+REFUSAL = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+    b"retry-after: " + str(RETRY_AFTER_S).encode() + b"\r\n\r\n{}"
+)
+
+
+def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    return REFUSAL if dict(headers).get(b"x-refuse") == b"1" else None
+
+
+async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+    """200 with the body's size; 429 with Retry-After after reading the body when marked ``x-app-refuse``
+    (the app's own admission refusal, which the request head could not predict)."""
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    refuse = (b"x-app-refuse", b"1") in scope["headers"]
+    body = json.dumps({"received": size}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if refuse:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    await send({"type": "http.response.start", "status": 429 if refuse else 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+app = RequestContextMiddleware(endpoint, metrics=Metrics())  # notes a 429's Retry-After for the protocol
+
+
+def serve(enforce: bool) -> Iterator[int]:
+    protocol = header_timeout_protocol(10.0, gate=gate, enforce_retry_after=enforce)
+    assert protocol is not None, "httptools is a dependency of the service extra"
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = int(probe.getsockname()[1])
+    config = uvicorn.Config(app, host=HOST, port=port, http=protocol, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    yield port
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def enforcing() -> Iterator[int]:
+    yield from serve(enforce=True)
+
+
+@pytest.fixture(scope="module")
+def lenient() -> Iterator[int]:
+    yield from serve(enforce=False)
+
+
+def send(sock: socket.socket, refuse: bool, *, by_app: bool = False) -> None:
+    head = (
+        f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\n"
+        f"x-refuse: {int(refuse and not by_app)}\r\nx-app-refuse: {int(refuse and by_app)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + BODY)
+
+
+def answer(sock: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"connection closed after {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in lines if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ")[1]), head + b"\r\n\r\n" + body
+
+
+def timed(sock: socket.socket, refuse: bool, *, by_app: bool = False) -> tuple[int, float]:
+    began = time.monotonic()
+    send(sock, refuse, by_app=by_app)
+    status, _ = answer(sock)
+    return status, time.monotonic() - began
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection((HOST, port), timeout=30)
+
+
+def test_retry_after_is_read_from_the_raw_answer() -> None:
+    assert retry_after_of(REFUSAL) == RETRY_AFTER_S
+    assert retry_after_of(b"HTTP/1.1 429 X\r\nRetry-After: 7\r\n\r\n{}") == 7
+    assert retry_after_of(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n") == 0
+    assert retry_after_of(b"HTTP/1.1 429 X\r\nretry-after: soon\r\n\r\n") == 0
+
+
+def test_a_request_sent_before_retry_after_waits_for_it_and_is_then_served(enforcing: int) -> None:
+    with connect(enforcing) as early, connect(enforcing) as other, connect(enforcing) as third:
+        status, seconds = timed(early, refuse=True)
+        assert (status, seconds < PROMPT_S) == (429, True)
+        began = time.monotonic()
+        send(early, refuse=False)  # at once, ignoring Retry-After
+        # meanwhile another connection is judged at once, refusals included
+        assert timed(other, refuse=True)[0] == 429 and time.monotonic() - began < PROMPT_S
+        assert timed(third, refuse=False)[0] == 200 and time.monotonic() - began < PROMPT_S
+        status, body = answer(early)
+        waited = time.monotonic() - began
+        assert status == 200 and json.loads(body.partition(b"\r\n\r\n")[2]) == {"received": len(BODY)}
+        assert RETRY_AFTER_S - 0.1 <= waited < RETRY_AFTER_S + PROMPT_S, waited
+
+
+def test_a_client_that_honours_retry_after_is_not_held(enforcing: int) -> None:
+    with connect(enforcing) as polite:
+        assert timed(polite, refuse=True)[0] == 429
+        time.sleep(RETRY_AFTER_S + 0.1)
+        status, seconds = timed(polite, refuse=False)
+        assert status == 200 and seconds < PROMPT_S
+
+
+def test_an_early_request_refused_again_restarts_the_wait(enforcing: int) -> None:
+    with connect(enforcing) as early:
+        assert timed(early, refuse=True)[0] == 429
+        status, seconds = timed(early, refuse=True)  # held, then refused again: a new Retry-After
+        assert status == 429 and RETRY_AFTER_S - 0.1 <= seconds < RETRY_AFTER_S + PROMPT_S
+        status, seconds = timed(early, refuse=False)
+        assert status == 200 and RETRY_AFTER_S - 0.1 <= seconds < RETRY_AFTER_S + PROMPT_S
+
+
+def test_without_enforcement_an_early_request_is_judged_at_once(lenient: int) -> None:
+    with connect(lenient) as early:
+        assert timed(early, refuse=True)[0] == 429
+        status, seconds = timed(early, refuse=False)
+        assert status == 200 and seconds < PROMPT_S
+
+
+def test_a_429_from_the_app_is_enforced_too(enforcing: int) -> None:
+    with connect(enforcing) as early:
+        status, seconds = timed(early, refuse=True, by_app=True)
+        assert status == 429 and seconds < PROMPT_S
+        status, seconds = timed(early, refuse=False)
+        assert status == 200 and RETRY_AFTER_S - 0.1 <= seconds < RETRY_AFTER_S + PROMPT_S
