@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 from vitembed.metrics import Metrics
-from vitembed.server.connection_limits import header_timeout_protocol, retry_after_of
+from vitembed.server.connection_limits import ANSWER_WAIT_S, header_timeout_protocol, retry_after_of
 from vitembed.server.errors import RequestContextMiddleware
 
 HOST = "127.0.0.1"
@@ -172,3 +172,37 @@ def test_a_429_from_the_app_is_enforced_too(enforcing: int) -> None:
         assert status == 429 and seconds < PROMPT_S
         status, seconds = timed(early, refuse=False)
         assert status == 200 and RETRY_AFTER_S - 0.1 <= seconds < RETRY_AFTER_S + PROMPT_S
+
+
+REFUSED_HEAD = (
+    f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 1\r\n\r\n"
+)
+
+
+def test_a_refusal_on_the_head_is_sent_once_its_body_is_in(enforcing: int) -> None:
+    """So that a client sending again at once starts its next request in a read of its own (which the hold
+    sees), the head's 429 waits for the body: here it comes only after the body is sent."""
+    with connect(enforcing) as sock:
+        head = (
+            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 1\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        sock.settimeout(30)
+        began = time.monotonic()
+        sock.sendall(BODY)
+        status, _ = answer(sock)
+        assert status == 429 and time.monotonic() - began < PROMPT_S
+
+
+def test_a_refusal_whose_body_trickles_is_sent_after_a_second(enforcing: int) -> None:
+    with connect(enforcing) as sock:
+        head = (
+            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 1\r\n\r\n"
+        )
+        began = time.monotonic()
+        sock.sendall(head.encode() + BODY[:100])  # the rest never comes
+        status, _ = answer(sock)
+        assert status == 429 and ANSWER_WAIT_S - 0.1 <= time.monotonic() - began < ANSWER_WAIT_S + PROMPT_S

@@ -104,6 +104,7 @@ Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
 
 
 MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
+ANSWER_WAIT_S = 1.0  # the longest a refusal on the head waits for its body to be read before it is sent
 
 
 def retry_after_of(response: bytes) -> float:
@@ -128,7 +129,10 @@ def header_timeout_protocol(
     With ``enforce_retry_after``, a connection whose request was refused on its head is not read again
     until the ``Retry-After`` it was given has passed: a client that ignores it and sends again at once
     waits for that time (then its request is judged as usual), instead of spending a refusal's CPU per
-    round trip. Clients that honour ``Retry-After`` never notice; other connections are not affected."""
+    round trip. Clients that honour ``Retry-After`` never notice; other connections are not affected. A
+    refusal on the head is then sent once the request's body is in (at most ``ANSWER_WAIT_S`` later):
+    sent before, a client that retries at once could start its next request in the same read as the rest
+    of the refused body, and that request would be judged at once."""
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -144,6 +148,8 @@ def header_timeout_protocol(
         _retry_at: float | None = None  # loop time before which a new request on this connection is early
         _held: list[bytes] | None = None  # an early request's bytes, read once its Retry-After has passed
         _release_timer: asyncio.TimerHandle | None = None
+        _pending_answer: bytes | None = None  # a head refusal waiting for its body to be read
+        _answer_timer: asyncio.TimerHandle | None = None
 
         def data_received(self, data: bytes) -> None:
             if self._held is not None:
@@ -205,12 +211,27 @@ def header_timeout_protocol(
                 return False
             self._discarding = True
             self._close_after = self.expect_100_continue or not self.parser.should_keep_alive()
-            self.transport.write(answer)
-            if enforce_retry_after:
-                self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after_of(answer))
             if self.expect_100_continue:  # the client waits for us before sending a body: none will come
+                self.transport.write(answer)
                 self.transport.close()
+            elif enforce_retry_after:
+                # answered once the body is in (or after ANSWER_WAIT_S): a client that sends again at once
+                # then starts its next request in a read of its own, which the Retry-After hold can see
+                self._pending_answer = answer
+                self._answer_timer = self.loop.call_later(ANSWER_WAIT_S, self._write_pending_answer)
+            else:
+                self.transport.write(answer)
             return True
+
+        def _write_pending_answer(self) -> None:
+            answer, self._pending_answer = self._pending_answer, None
+            if self._answer_timer is not None:
+                self._answer_timer.cancel()
+                self._answer_timer = None
+            if answer is None or self.transport.is_closing():
+                return
+            self.transport.write(answer)
+            self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after_of(answer))
 
         def on_body(self, body: bytes) -> None:
             if not self._discarding:
@@ -221,6 +242,7 @@ def header_timeout_protocol(
                 super().on_message_complete()
                 return
             self._discarding = False
+            self._write_pending_answer()
             if self._close_after:
                 self.transport.close()
             elif not self.transport.is_closing():
@@ -240,7 +262,11 @@ def header_timeout_protocol(
             if self._release_timer is not None:
                 self._release_timer.cancel()
                 self._release_timer = None
+            if self._answer_timer is not None:
+                self._answer_timer.cancel()
+                self._answer_timer = None
             self._held = None
+            self._pending_answer = None
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
