@@ -308,19 +308,36 @@ def _is_complete(folder: Path, *, revision: str | None = None) -> bool:
     return meta is not None and (revision is None or meta.get("revision") == revision)
 
 
-def _refresh_defaults(folder: Path) -> None:
-    """Bring vitembed.json's ``defaults`` in line with EMBEDDED_DEFAULTS (they may change between releases
-    while the weights, hence the revision folder, do not). One small file, replaced atomically."""
+def _config_text() -> str:
+    return json.dumps(onnx_convert.config_json(), indent=2, sort_keys=True) + "\n"
+
+
+def _refresh_derived(folder: Path) -> None:
+    """Bring the small files derived from code, not from the weights, in line with this release:
+    vitembed.json's ``defaults`` (EMBEDDED_DEFAULTS may change between releases while the weights, hence the
+    revision folder, do not) and config.json (a folder converted by an earlier vitembed carries the
+    transformers version that wrote it). Each is replaced atomically and only when it differs; the weights
+    are never touched."""
     meta = _read_meta(folder)
-    if meta is None or meta.get("defaults") == EMBEDDED_DEFAULTS:
-        return
-    meta["defaults"] = EMBEDDED_DEFAULTS
-    partial = folder / f".vitembed.json.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if meta is not None and meta.get("defaults") != EMBEDDED_DEFAULTS:
+        meta["defaults"] = EMBEDDED_DEFAULTS
+        _replace_text(folder / "vitembed.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    config = _config_text()
     try:
-        _write_json(partial, meta)
-        os.replace(partial, folder / "vitembed.json")
-    except OSError as exc:  # a read-only cache still works, with the defaults it was written with
-        log.warning("cannot update %s: %s", folder / "vitembed.json", exc)
+        current = (folder / "config.json").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current != config:
+        _replace_text(folder / "config.json", config)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:  # a read-only cache still works, with the files it was written with
+        log.warning("cannot update %s: %s", path, exc)
     finally:
         partial.unlink(missing_ok=True)
 
@@ -396,7 +413,7 @@ def _convert_verified(onnx_path: Path, out_dir: Path, sha: str) -> None:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()  # not mkdtemp: the folder keeps the umask's permissions once renamed into place
     try:
-        config.save_pretrained(str(tmp))
+        (tmp / "config.json").write_text(_config_text(), encoding="utf-8")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
         _write_json(tmp / "preprocessor_config.json", onnx_convert.preprocessor_config())
@@ -443,13 +460,13 @@ def ensure_embedded_checkpoint(
     """Return the converted checkpoint folder ``<cache_dir>/embedded/<revision>``, converting it on first use.
 
     When the folder is already complete this only checks that its files exist (no hashing; a folder from an
-    earlier vitembed gets the current defaults in place). Otherwise the ONNX file is located
+    earlier vitembed gets the current defaults and config.json in place). Otherwise the ONNX file is located
     (see ``locate_embedded_onnx``), verified and converted; downloaded or extracted files live in a temporary
     folder under the cache and are removed afterwards.
     """
     target = embedded_checkpoint_dir(Path(cache_dir).expanduser() if cache_dir is not None else None)
     if _is_complete(target, revision=EMBEDDED_REVISION):
-        _refresh_defaults(target)
+        _refresh_derived(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_leftovers(target.parent)

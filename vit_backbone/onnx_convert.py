@@ -188,28 +188,41 @@ def _read_backbone(onnx_path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def config_json() -> dict[str, Any]:
+    """The checkpoint's ``config.json``: facebook/dinov2-small's fields (what the graph facts above say).
+
+    Spelled out rather than taken from ``Dinov2Config.save_pretrained``, which stamps the installed
+    transformers' version into the file: the converted folder's bytes must not change when transformers does.
+    """
+    return {
+        "architectures": ["Dinov2Model"],
+        "attention_probs_dropout_prob": 0.0,
+        "drop_path_rate": 0.0,
+        "hidden_act": "gelu",  # exact erf GELU, as in the graph
+        "hidden_dropout_prob": 0.0,
+        "hidden_size": _HIDDEN,
+        "image_size": _IMAGE_SIZE,
+        "initializer_range": 0.02,
+        "layer_norm_eps": _LAYER_NORM_EPS,
+        "layerscale_value": 1.0,
+        "mlp_ratio": _MLP_RATIO,
+        "model_type": "dinov2",
+        "num_attention_heads": _HEADS,
+        "num_channels": 3,
+        "num_hidden_layers": _LAYERS,
+        "patch_size": _PATCH,
+        "qkv_bias": True,
+        "use_mask_token": True,
+        "use_swiglu_ffn": False,
+    }
+
+
 def dinov2_config() -> Any:
-    """facebook/dinov2-small's ``Dinov2Config`` (what the graph facts above say), for ``Dinov2Model``."""
+    """The ``Dinov2Config`` that ``config_json`` describes, for ``Dinov2Model``."""
     from transformers import Dinov2Config
 
-    config = Dinov2Config(
-        hidden_size=_HIDDEN,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        mlp_ratio=_MLP_RATIO,
-        hidden_act="gelu",  # exact erf GELU, as in the graph
-        layer_norm_eps=_LAYER_NORM_EPS,
-        image_size=_IMAGE_SIZE,
-        patch_size=_PATCH,
-        num_channels=3,
-        qkv_bias=True,
-        layerscale_value=1.0,
-        use_swiglu_ffn=False,
-        use_mask_token=True,
-        drop_path_rate=0.0,
-    )
-    config.architectures = ["Dinov2Model"]
-    return config
+    fields = {key: value for key, value in config_json().items() if key != "model_type"}
+    return Dinov2Config(**fields)
 
 
 def preprocessor_config() -> dict[str, Any]:

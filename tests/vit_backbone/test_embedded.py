@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vit_backbone import embedded
+from vit_backbone import embedded, onnx_convert
 from vit_backbone.embedded import (
     EMBEDDED_DEFAULTS,
     EMBEDDED_MEMBER,
@@ -352,6 +352,41 @@ def test_second_ensure_is_fast_and_does_not_convert(
     assert again == embedded_dir
     assert elapsed < 0.5, elapsed
     assert weights.stat().st_mtime_ns == before
+
+
+def test_config_of_an_earlier_conversion_is_rewritten_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder converted under another transformers carries its version in config.json; ensure rewrites
+    config.json to this release's bytes (the same a fresh conversion writes) and leaves the weights alone."""
+    folder = _fake_checkpoint(tmp_path / "embedded" / EMBEDDED_REVISION)
+    older = {**onnx_convert.config_json(), "transformers_version": "5.0.0", "stage_names": ["stem"]}
+    (folder / "config.json").write_text(json.dumps(older, indent=2))
+    monkeypatch.setattr(embedded, "_convert_verified", None)
+    assert ensure_embedded_checkpoint(tmp_path) == folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config == onnx_convert.config_json()
+    assert "transformers_version" not in config
+    assert (folder / "model.safetensors").read_text() == "theirs"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(embedded.CHECKPOINT_FILES)
+
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a current folder must not be rewritten")
+
+    monkeypatch.setattr(embedded, "_replace_text", forbidden)
+    assert ensure_embedded_checkpoint(tmp_path) == folder
+
+
+def test_config_json_builds_the_same_dinov2_config(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(onnx_convert.config_json()))
+    loaded = AutoConfig.from_pretrained(str(tmp_path)).to_dict()
+    built = onnx_convert.dinov2_config().to_dict()
+    loaded.pop("_name_or_path", None)
+    built.pop("_name_or_path", None)
+    assert loaded == built
+    assert built["architectures"] == ["Dinov2Model"]
 
 
 @pytest.mark.slow
