@@ -48,6 +48,9 @@ class ServiceSettings(BaseSettings):
     # a connection refused on its request head is read again only once the Retry-After it was given has
     # passed: clients that ignore Retry-After wait for it instead of costing a refusal per round trip
     enforce_retry_after: bool = True
+    # refusals get Retry-After values spread over whole seconds, so that a crowd of refused callers comes back
+    # at about twice the model's throughput instead of all in the next second (engine/admission.py)
+    spread_retry_after: bool = True
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
     # kept only if warm-up embeddings stay within cosine 0.999 of float32

@@ -4,6 +4,7 @@ refused and why, and which ``Retry-After`` it gets (deterministic: no clocks, no
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 from vitembed.engine.admission import (
@@ -14,6 +15,7 @@ from vitembed.engine.admission import (
     AdmissionControl,
     Decision,
     QueueFullError,
+    RetrySpread,
     ThroughputEstimate,
     WaitCalibration,
     decide,
@@ -224,3 +226,47 @@ def test_a_calibrated_model_load_admits_only_what_it_can_serve_within_the_target
         1.25,
     )
     assert load.predicted_wait_s(1, 100) == 1.25
+
+
+def test_refusals_are_spread_so_that_they_return_at_twice_the_throughput() -> None:
+    """0.125 s per image: 8 images/s, so refused callers are let back at 16 images/s. The first 16 refusals
+    fit in the second their own wait ends in; 64 refusals at once fill 4 whole seconds, 16 each, in order."""
+    spread = RetrySpread()
+    waits = [spread.retry_after_s(0.25, 1, 0.125, now=100.5) for _ in range(64)]
+    assert waits == [0.25] * 16 + [1.25] * 16 + [2.25] * 16 + [3.25] * 16
+    assert spread.pending_images == 64
+    # later refusals queue behind them; once they are all due back, a refusal keeps its own wait again
+    assert spread.retry_after_s(0.25, 1, 0.125, now=100.9) == 4.25
+    assert spread.retry_after_s(0.25, 1, 0.125, now=110.0) == 0.25
+    assert spread.pending_images == 1
+
+
+def test_the_spread_counts_images_and_is_capped() -> None:
+    spread = RetrySpread(max_spread_s=3)
+    # 1 s per image: 2 images/s let back; a 64-image refusal takes a second of its own, then the least booked
+    waits = [spread.retry_after_s(1.5, 64, 1.0, now=0.0) for _ in range(5)]
+    assert waits == [1.5, 2.5, 3.5, 1.5, 2.5]
+    # a single image still finds room in no second: the least booked one
+    assert spread.retry_after_s(1.5, 1, 1.0, now=0.0) == 3.5
+    # without a throughput measurement nothing is spread
+    assert RetrySpread().retry_after_s(0.5, 64, 0.0, now=0.0) == 0.5
+
+
+def test_a_flood_of_refusals_gets_spread_retry_after_headers() -> None:
+    """Through the model load: 40 refused single images at 0.125 s per image (16 let back per second) get
+    Retry-After 1, 2 and 3 s, 16, 16 and 8 of them; without spreading every one of them is told 1 s."""
+    for spread_retries, expected in ((True, {1: 16, 2: 16, 3: 8}), (False, {1: 40})):
+        control = AdmissionControl(
+            capacity=256, target_s=1.0, spread_retries=spread_retries, clock=lambda: 1000.5
+        )
+        load = control.model("m")
+        load.observe(tokens=100, images=8, seconds=1.0)
+        for _ in range(8):
+            load.admit(1, 100, deadline_left_s=30.0)
+        headers: Counter[int] = Counter()
+        for _ in range(40):
+            with pytest.raises(QueueFullError) as refused:
+                load.admit(1, 100, deadline_left_s=30.0)
+            headers[max(1, math.ceil(refused.value.retry_after_s))] += 1
+        assert headers == expected
+        assert control.held == 8

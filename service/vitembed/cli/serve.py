@@ -62,6 +62,8 @@ _ENV_ONLY = (
     "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_ENFORCE_RETRY_AFTER (default true: after a 429, a connection is read again only once its "
     "Retry-After has passed)",
+    "VITEMBED_SPREAD_RETRY_AFTER (default true: refused requests are told to come back at different "
+    "whole seconds)",
     "OMP_WAIT_POLICY (default PASSIVE: OpenMP threads sleep at barriers instead of spinning)",
     "VITEMBED_MAX_IMAGE_PIXELS (default 40000000)",
     "VITEMBED_MAX_ASPECT_RATIO (default 20)",

@@ -21,10 +21,11 @@ affected.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 ADMITTED = "admitted"
@@ -40,6 +41,10 @@ ESTIMATE_KEYS = 64  # token counts remembered per model (least recently observed
 CALIBRATION_MIN_PREDICTED_S = 0.5
 CALIBRATION_WEIGHT = 0.1  # of each new request in the running mean of actual / predicted
 CALIBRATION_BOUNDS = (0.75, 4.0)  # how far the factor may scale predictions down and up
+# Retry-After spreading (``RetrySpread``): refused callers are told to come back at different whole seconds so
+# that, together, they return at about this many times the model's throughput
+SPREAD_RETURN_FACTOR = 2.0
+SPREAD_MAX_S = 8  # the widest spread in seconds (a held connection waits at most 10 s)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,49 @@ class WaitCalibration:
         self.factor += self.weight * (ratio - self.factor)
 
 
+class RetrySpread:
+    """Spread the ``Retry-After`` of refused requests over whole seconds, so they do not all return at once.
+
+    Every refusal under one flood gets about the same short wait (the excess over the target is usually
+    under a second, and the header counts whole seconds), so hundreds of callers came back in the same
+    second, all but a few were refused again, and the server spent its cores answering them. Here each
+    refusal books the images it will bring back into a second: the first second from its own wait on that
+    still has room, where a second has room for ``return_factor`` times the model's throughput (enough to
+    keep the queue full, no more), at most ``max_spread_s`` seconds later than its own wait. Callers refused
+    earlier are let back earlier.
+
+    The room comes from the throughput estimate, not from the admissions measured: fewer returns would mean
+    fewer admissions, which would shrink the room further."""
+
+    def __init__(
+        self, *, return_factor: float = SPREAD_RETURN_FACTOR, max_spread_s: int = SPREAD_MAX_S
+    ) -> None:
+        self.return_factor = return_factor
+        self.max_spread_s = max_spread_s
+        self._booked: dict[int, int] = {}  # whole second (of the monotonic clock) -> images due back then
+
+    def retry_after_s(self, base_s: float, images: int, per_image_s: float, now: float) -> float:
+        """The wait to tell a refused request of ``images`` whose own wait would be ``base_s``: ``base_s``
+        plus 0..max_spread_s-1 whole seconds (``Retry-After`` rounds the sum up)."""
+        for second in [second for second in self._booked if second < now - 1]:
+            del self._booked[second]
+        if per_image_s <= 0:
+            return base_s
+        room = self.return_factor / per_image_s  # images per second to let back
+        first = math.floor(now) + max(1, math.ceil(base_s))  # the second its own Retry-After lets it back
+        seconds = [first + extra for extra in range(self.max_spread_s)]
+        chosen = next(
+            (s for s in seconds if self._booked.get(s, 0) == 0 or self._booked[s] + images <= room),
+            min(seconds, key=lambda s: self._booked.get(s, 0)),
+        )
+        self._booked[chosen] = self._booked.get(chosen, 0) + images
+        return base_s + (chosen - first)
+
+    @property
+    def pending_images(self) -> int:
+        return sum(self._booked.values())
+
+
 class QueueFullError(Exception):
     """Refused at admission; ``reason`` is one of ``REASONS``, ``retry_after_s`` when it would fit."""
 
@@ -196,6 +244,7 @@ class ModelLoad:
         self.batch_wait_s = batch_wait_s
         self.estimate = ThroughputEstimate()
         self.calibration = WaitCalibration()
+        self.spread = RetrySpread()
         self._reserved: Counter[int] = Counter()  # expected tokens -> images
         self._running = 0  # images in the forward pass now
         self._running_s = 0.0  # its predicted duration
@@ -221,8 +270,13 @@ class ModelLoad:
                 batch_wait_s=self.batch_wait_s,
             )
             if not decision.admitted:
+                retry_after = decision.retry_after_s
+                if control.spread_retries:
+                    retry_after = self.spread.retry_after_s(
+                        retry_after, images, per_image * factor, control.clock()
+                    )
                 raise QueueFullError(
-                    decision.retry_after_s,
+                    retry_after,
                     reason=decision.reason,
                     predicted_wait_s=decision.predicted_wait_s,
                     limit_s=decision.limit_s,
@@ -308,11 +362,20 @@ class ModelLoad:
 class AdmissionControl:
     """The hard cap in images across all models, the queue-delay target, and one ``ModelLoad`` each."""
 
-    def __init__(self, capacity: int, target_s: float) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        target_s: float,
+        *,
+        spread_retries: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if capacity < 1 or target_s <= 0:
             raise ValueError("the admission capacity must be ≥ 1 image and the target > 0 s")
         self.capacity = capacity
         self.target_s = target_s
+        self.spread_retries = spread_retries  # RetrySpread on each model's refusals
+        self.clock = clock  # the spread's seconds (injected by tests)
         self.lock = threading.Lock()
         self.held = 0  # images reserved or running, all models
         self._loads: dict[str, ModelLoad] = {}

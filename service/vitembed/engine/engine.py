@@ -80,7 +80,9 @@ class Engine:
             max_pixels=settings.max_image_pixels,
             max_aspect_ratio=settings.max_aspect_ratio,
         )
-        self.admission = AdmissionControl(settings.queue_size, settings.queue_delay_target_s)
+        self.admission = AdmissionControl(
+            settings.queue_size, settings.queue_delay_target_s, spread_retries=settings.spread_retry_after
+        )
         self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
         self._served: dict[str, ServedModel] = {}
         self._heads: dict[str, BoundHead] = {}
