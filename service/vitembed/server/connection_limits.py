@@ -31,6 +31,7 @@ from vitembed.server.errors import (
     RETRY_AFTER_SCOPE_KEY,
     ApiError,
     error_response,
+    retry_after_seconds,
     sanitise_request_id,
 )
 
@@ -113,11 +114,7 @@ def retry_after_of(response: bytes) -> float:
     start = head.find(b"\r\nretry-after:")
     if start < 0:
         return 0.0
-    value = head[start + len(b"\r\nretry-after:") :].partition(b"\r\n")[0]
-    try:
-        return max(0.0, float(value.strip()))
-    except ValueError:
-        return 0.0
+    return retry_after_seconds(head[start + len(b"\r\nretry-after:") :].partition(b"\r\n")[0])
 
 
 def header_timeout_protocol(

@@ -420,13 +420,18 @@ class RequestContextMiddleware:
             self.metrics.requests.labels(_route_template(scope, self.known_paths), str(status or 500)).inc()
 
 
+def retry_after_seconds(value: bytes) -> float:
+    """A ``Retry-After`` header's value in seconds (0 when it is not a number of seconds)."""
+    try:
+        return max(0.0, float(value.strip()))
+    except ValueError:
+        return 0.0
+
+
 def _retry_after(headers: list[tuple[bytes, bytes]]) -> float:
     for name, value in headers:
         if name.lower() == b"retry-after":
-            try:
-                return max(0.0, float(value))
-            except ValueError:
-                return 0.0
+            return retry_after_seconds(value)
     return 0.0
 
 
