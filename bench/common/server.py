@@ -161,9 +161,10 @@ def metrics_delta(delta: Samples, seconds: float, model: str = "embedded") -> di
         count = value("vitembed_stage_seconds_count", stage=stage)
         out[f"{stage}_mean_ms"] = 1000 * total / count if count else math.nan
         out[f"{stage}_busy"] = total / seconds if seconds else math.nan
-    out["rejected"] = {
-        dict(labels).get("reason", "?"): int(v)
-        for (name, labels), v in delta.items()
-        if name == "vitembed_rejected_total" and v
-    }
+    rejected: dict[str, int] = {}
+    for (name, labels), v in delta.items():
+        if name == "vitembed_rejected_total" and v:
+            reason = dict(labels).get("reason", "?")
+            rejected[reason] = rejected.get(reason, 0) + int(v)
+    out["rejected"] = rejected
     return out

@@ -47,8 +47,10 @@ class Metrics:
         )
         self.rejected = Counter(
             "vitembed_rejected_total",
-            "work refused or dropped, by reason",
-            ["reason"],
+            "work refused or dropped, by reason and where: connection (the connection limit), head "
+            "(admission on the request head, body unread), body (admission after the body was read), "
+            "queued (dropped after admission)",
+            ["reason", "stage"],
             registry=self.registry,
         )
 

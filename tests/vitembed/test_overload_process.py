@@ -82,6 +82,14 @@ def test_a_flood_far_above_capacity_gets_429s_and_admitted_requests_finish_in_ti
     flood_server: ServerProcess, images: Images
 ) -> None:
     data = images.jpeg(64, 64, 7)
+
+    def refusals(stage: str) -> float:
+        return sum(
+            flood_server.metric("vitembed_rejected_total", reason=reason, stage=stage)
+            for reason in ("queue_delay", "queue_full", "deadline")
+        )
+
+    before = {stage: refusals(stage) for stage in ("head", "body")}
     answers = flood(flood_server, data, CLIENTS, FLOOD_S)
     statuses = sorted({a.status for a in answers})
     assert set(statuses) <= {200, 429}, statuses  # no 504, no 5xx
@@ -97,6 +105,9 @@ def test_a_flood_far_above_capacity_gets_429s_and_admitted_requests_finish_in_ti
     admitted = flood_server.metric("vitembed_admission_total", outcome="admitted")
     assert admitted >= len(ok)
     assert flood_server.metric("vitembed_rejected_total", reason="deadline") == 0
+    # every 429 was counted once, by where it was decided: most on the request head, before the body is read
+    on_head, after_body = (refusals(stage) - before[stage] for stage in ("head", "body"))
+    assert on_head + after_body == len(refused) and on_head >= 1, (on_head, after_body, len(refused))
     with flood_server.client() as client:  # and it is at once available again
         assert client.get("/ready").status_code == 200
         began = time.monotonic()

@@ -313,11 +313,11 @@ class Engine:
         try:
             served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False)
         except QueueFullError as refused:
-            self._count_refusal(served, refused)
+            self._count_refusal(served, refused, "head")
             raise
 
-    def _count_refusal(self, served: ServedModel, refused: QueueFullError) -> None:
-        self.metrics.rejected.labels(refused.reason).inc()
+    def _count_refusal(self, served: ServedModel, refused: QueueFullError, stage: str) -> None:
+        self.metrics.rejected.labels(refused.reason, stage).inc()
         self.metrics.admission.labels(served.name, refused.reason).inc()
 
     def _admit(
@@ -328,7 +328,7 @@ class Engine:
         try:
             reservation = served.load.admit(count, tokens, deadline - time.monotonic())
         except QueueFullError as refused:
-            self._count_refusal(served, refused)
+            self._count_refusal(served, refused, "body")
             raise
         self.metrics.admission.labels(served.name, "admitted").inc()
         self.metrics.admission_wait.labels("predicted").observe(reservation.predicted_wait_s)
@@ -405,7 +405,7 @@ class Engine:
         return list(zip(vectors, head_outputs(heads, features, where), strict=True))
 
     def _record_drop(self, reason: str) -> None:
-        self.metrics.rejected.labels(reason).inc()
+        self.metrics.rejected.labels(reason, "queued").inc()
 
 
 def configure_threads(settings: ServiceSettings) -> None:

@@ -52,7 +52,7 @@ class ConcurrencyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_requests:
-            self.metrics.rejected.labels("concurrency").inc()
+            self.metrics.rejected.labels("concurrency", "connection").inc()
             response = error_response(
                 scope,
                 503,
