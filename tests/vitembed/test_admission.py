@@ -10,6 +10,7 @@ import pytest
 from vitembed.engine.admission import (
     ADMITTED,
     DEADLINE,
+    LEASE_S,
     QUEUE_DELAY,
     QUEUE_FULL,
     AdmissionControl,
@@ -270,3 +271,31 @@ def test_a_flood_of_refusals_gets_spread_retry_after_headers() -> None:
             headers[max(1, math.ceil(refused.value.retry_after_s))] += 1
         assert headers == expected
         assert control.held == 8
+
+
+def test_a_passed_check_holds_a_place_while_its_body_is_read() -> None:
+    """0.125 s per image, 1 s target: eight places. Eight heads pass the check with leases, so the ninth head
+    is refused on its head; each full check gives its own lease back (not double-counted); a lease whose
+    request never came back (a bad body) lapses after LEASE_S."""
+    clock = [100.0]
+    control = AdmissionControl(capacity=256, target_s=1.0, spread_retries=False, clock=lambda: clock[0])
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)
+    leases = [load.admit(1, 100, 30.0, reserve=False, lease=True).lease for _ in range(8)]
+    assert len(set(leases)) == 8 and control.held == 0
+    with pytest.raises(QueueFullError) as refused:
+        load.admit(1, 100, 30.0, reserve=False, lease=True)
+    assert refused.value.reason == QUEUE_DELAY
+    with pytest.raises(QueueFullError):  # the request-head gate (a check without lease) sees them too
+        load.admit(1, 100, 30.0, reserve=False)
+    # seven bodies arrive: each full check trades its lease for a reservation
+    for lease in leases[:7]:
+        load.admit(1, 100, 30.0, own_lease=lease)
+    assert control.held == 7
+    with pytest.raises(QueueFullError):  # the eighth lease still holds the last place
+        load.admit(1, 100, 30.0, reserve=False, lease=True)
+    clock[0] += LEASE_S  # its body never came: the place is free again
+    assert load.admit(1, 100, 30.0, reserve=False).lease is None  # a check without lease holds nothing
+    assert load.admit(1, 100, 30.0, reserve=False, lease=True).lease is not None
+    with pytest.raises(QueueFullError):
+        load.admit(1, 100, 30.0, reserve=False)

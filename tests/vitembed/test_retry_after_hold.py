@@ -179,30 +179,52 @@ REFUSED_HEAD = (
 )
 
 
-def test_a_refusal_on_the_head_is_sent_once_its_body_is_in(enforcing: int) -> None:
-    """So that a client sending again at once starts its next request in a read of its own (which the hold
-    sees), the head's 429 waits for the body: here it comes only after the body is sent."""
+def test_a_refusal_on_the_head_is_sent_before_its_body(enforcing: int) -> None:
     with connect(enforcing) as sock:
-        head = (
-            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 1\r\n\r\n"
+        began = time.monotonic()
+        sock.sendall(REFUSED_HEAD.encode())
+        status, _ = answer(sock)
+        assert status == 429 and time.monotonic() - began < PROMPT_S
+
+
+def test_a_request_in_the_same_read_as_the_refused_body_is_held(enforcing: int) -> None:
+    """A client that sends again at once, right after the 429 that came before its body was all sent: the
+    rest of the refused body and the next request arrive in one read, which is split where the body ends."""
+    with connect(enforcing) as sock:
+        sock.sendall(REFUSED_HEAD.encode() + BODY[:1000])
+        assert answer(sock)[0] == 429
+        began = time.monotonic()
+        following = (
+            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\n"
+            "x-refuse: 0\r\nx-app-refuse: 0\r\n\r\n"
         )
-        sock.sendall(head.encode())
+        sock.sendall(BODY[1000:] + following.encode() + BODY)
+        status, body = answer(sock)
+        waited = time.monotonic() - began
+        assert status == 200 and json.loads(body.partition(b"\r\n\r\n")[2]) == {"received": len(BODY)}
+        assert RETRY_AFTER_S - 0.1 <= waited < RETRY_AFTER_S + PROMPT_S, waited
+
+
+CHUNKED_HEAD = f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nTransfer-Encoding: chunked\r\nx-refuse: 1\r\n\r\n"
+
+
+def test_a_refused_chunked_body_is_answered_once_it_is_in(enforcing: int) -> None:
+    """A chunked body has no length to split the read at: its 429 waits for the body's end."""
+    with connect(enforcing) as sock:
+        sock.sendall(CHUNKED_HEAD.encode() + b"5\r\nhello\r\n")
         sock.settimeout(0.5)
         with pytest.raises(TimeoutError):
             sock.recv(1)
         sock.settimeout(30)
         began = time.monotonic()
-        sock.sendall(BODY)
+        sock.sendall(b"0\r\n\r\n")
         status, _ = answer(sock)
         assert status == 429 and time.monotonic() - began < PROMPT_S
 
 
-def test_a_refusal_whose_body_trickles_is_sent_after_a_second(enforcing: int) -> None:
+def test_a_refused_chunked_body_that_trickles_is_answered_after_a_second(enforcing: int) -> None:
     with connect(enforcing) as sock:
-        head = (
-            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 1\r\n\r\n"
-        )
         began = time.monotonic()
-        sock.sendall(head.encode() + BODY[:100])  # the rest never comes
+        sock.sendall(CHUNKED_HEAD.encode() + b"5\r\nhello\r\n")  # the rest never comes
         status, _ = answer(sock)
         assert status == 429 and ANSWER_WAIT_S - 0.1 <= time.monotonic() - began < ANSWER_WAIT_S + PROMPT_S

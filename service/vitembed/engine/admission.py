@@ -45,6 +45,8 @@ CALIBRATION_BOUNDS = (0.75, 4.0)  # how far the factor may scale predictions dow
 # that, together, they return at about this many times the model's throughput
 SPREAD_RETURN_FACTOR = 2.0
 SPREAD_MAX_S = 8  # the widest spread in seconds (a held connection waits at most 10 s)
+# a request that passed the check before its body was read holds a place this long (``ModelLoad.admit``)
+LEASE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class Reservation:
         # the forward-pass estimate's own prediction (what the calibration compares the actual wait with)
         self.uncalibrated_wait_s = predicted_wait_s if uncalibrated_wait_s is None else uncalibrated_wait_s
         self.admitted_at = time.monotonic()
+        self.lease: int | None = None  # a check's place held while the body is read (``ModelLoad.admit``)
 
     def release(self, count: int | None = None) -> None:
         """``count`` images (all remaining by default) leave without a forward pass: dropped or failed."""
@@ -249,21 +252,40 @@ class ModelLoad:
         self._running = 0  # images in the forward pass now
         self._running_s = 0.0  # its predicted duration
         self._running_since = 0.0
+        self._leases: dict[int, tuple[float, int, int]] = {}  # id -> (expires at, images, tokens)
+        self._next_lease = 0
 
     # ------------------------------------------------------------------ the request side
-    def admit(self, images: int, tokens: int, deadline_left_s: float, *, reserve: bool = True) -> Reservation:
+    def admit(
+        self,
+        images: int,
+        tokens: int,
+        deadline_left_s: float,
+        *,
+        reserve: bool = True,
+        lease: bool = False,
+        own_lease: int | None = None,
+    ) -> Reservation:
         """Reserve ``images`` of ``tokens`` tokens each, or raise ``QueueFullError`` with the reason.
-        ``reserve=False`` only checks (the early refusal before a body is read)."""
+
+        ``reserve=False`` only checks (the early refusal before a body is read); with ``lease`` a request
+        that passes holds a place for ``LEASE_S`` (its id in ``Reservation.lease``), so that requests whose
+        heads arrive while its body is read see the queue it is about to join and are refused on their heads,
+        before their own bodies are read, rather than after. The full check gives back ``own_lease``."""
         control = self._control
         with control.lock:
+            now = control.clock()
+            if own_lease is not None:
+                self._leases.pop(own_lease, None)
+            leased_images, leased_s = self._leased(now)
             per_image = self.estimate.per_image_s(tokens) or 0.0
-            ahead = self._ahead_s()
+            ahead = self._ahead_s() + leased_s
             factor = self.calibration.factor
             decision = decide(
                 images=images,
                 per_image_s=per_image * factor,
                 ahead_s=ahead * factor,
-                held_images=control.held,
+                held_images=control.held + leased_images,
                 capacity_images=control.capacity,
                 target_s=control.target_s,
                 deadline_left_s=deadline_left_s,
@@ -272,9 +294,7 @@ class ModelLoad:
             if not decision.admitted:
                 retry_after = decision.retry_after_s
                 if control.spread_retries:
-                    retry_after = self.spread.retry_after_s(
-                        retry_after, images, per_image * factor, control.clock()
-                    )
+                    retry_after = self.spread.retry_after_s(retry_after, images, per_image * factor, now)
                 raise QueueFullError(
                     retry_after,
                     reason=decision.reason,
@@ -283,10 +303,25 @@ class ModelLoad:
                 )
             uncalibrated = self.batch_wait_s + ahead + images * per_image
             if not reserve:
-                return Reservation(self, tokens, 0, decision.predicted_wait_s, uncalibrated)
+                checked = Reservation(self, tokens, 0, decision.predicted_wait_s, uncalibrated)
+                if lease:
+                    self._next_lease += 1
+                    self._leases[self._next_lease] = (now + LEASE_S, images, tokens)
+                    checked.lease = self._next_lease
+                return checked
             self._reserved[tokens] += images
             control.held += images
             return Reservation(self, tokens, images, decision.predicted_wait_s, uncalibrated)
+
+    def _leased(self, now: float) -> tuple[int, float]:
+        """Images held by unexpired leases, and their predicted seconds (caller holds the lock)."""
+        for lease in [lease for lease, (expires, _, _) in self._leases.items() if expires <= now]:
+            del self._leases[lease]
+        images = sum(count for _, count, _ in self._leases.values())
+        seconds = sum(
+            count * (self.estimate.per_image_s(tokens) or 0.0) for _, count, tokens in self._leases.values()
+        )
+        return images, seconds
 
     def _ahead_s(self) -> float:
         """Predicted seconds until work admitted now could start (caller holds the lock)."""

@@ -10,6 +10,7 @@ knowledge; the app maps its exceptions to statuses.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import sys
 import time
@@ -56,6 +57,11 @@ from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
+# the place a request's early check holds while its body is read (Engine.refuse_early), per request task:
+# (model, lease id), given back by that request's full admission check
+_LEASE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "vitembed_lease", default=None
+)
 
 __all__ = [  # the engine's public face: the request types and the errors of the request path
     "CancelledWorkError",
@@ -305,16 +311,20 @@ class Engine:
         self.metrics.admission_calibration.labels(served.name).set(served.load.calibration.factor)
         return list(rows)
 
-    def refuse_early(self, model: str, deadline: float) -> None:
+    def refuse_early(self, model: str, deadline: float, *, lease: bool = False) -> None:
         """Before a body is read: refuse at once (``QueueFullError``) if not even one image of ``model`` at
-        its default options could be admitted now. Nothing is reserved; the full check follows the parse."""
+        its default options could be admitted now. Nothing is reserved; the full check follows the parse.
+        With ``lease`` (called in the request's own task) a request that passes holds a place until that
+        check, for at most ``admission.LEASE_S``."""
         served = self._get(model)
         tokens = served.expected_tokens(served.backbone.check_policy(None), None)
         try:
-            served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False)
+            checked = served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False, lease=lease)
         except QueueFullError as refused:
             self._count_refusal(served, refused, "head")
             raise
+        if checked.lease is not None:
+            _LEASE.set((served.name, checked.lease))
 
     def _count_refusal(self, served: ServedModel, refused: QueueFullError, stage: str) -> None:
         self.metrics.rejected.labels(refused.reason, stage).inc()
@@ -325,8 +335,12 @@ class Engine:
     ) -> Reservation:
         """Reserve room for ``count`` images before any is decoded, or refuse (``QueueFullError``, 429)."""
         tokens = served.expected_tokens(policy, size)
+        held = _LEASE.get()
+        own_lease = held[1] if held is not None and held[0] == served.name else None
+        if held is not None:
+            _LEASE.set(None)
         try:
-            reservation = served.load.admit(count, tokens, deadline - time.monotonic())
+            reservation = served.load.admit(count, tokens, deadline - time.monotonic(), own_lease=own_lease)
         except QueueFullError as refused:
             self._count_refusal(served, refused, "body")
             raise

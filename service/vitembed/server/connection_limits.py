@@ -105,7 +105,9 @@ Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
 
 
 MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
-ANSWER_WAIT_S = 1.0  # the longest a refusal on the head waits for its body to be read before it is sent
+ANSWER_WAIT_S = (
+    1.0  # the longest a refusal on the head of a chunked request waits for its body before it is sent
+)
 
 
 def retry_after_of(response: bytes) -> float:
@@ -127,9 +129,10 @@ def header_timeout_protocol(
     until the ``Retry-After`` it was given has passed: a client that ignores it and sends again at once
     waits for that time (then its request is judged as usual), instead of spending a refusal's CPU per
     round trip. Clients that honour ``Retry-After`` never notice; other connections are not affected. A
-    refusal on the head is then sent once the request's body is in (at most ``ANSWER_WAIT_S`` later):
-    sent before, a client that retries at once could start its next request in the same read as the rest
-    of the refused body, and that request would be judged at once."""
+    refusal on the head is sent at once; a client that retries at once can then start its next request in
+    the same read as the rest of the refused body, so reads are split where that body ends (its
+    ``Content-Length``) and what follows is held like any early request. A chunked body has no length to
+    split at: its refusal is sent once the body is in (at most ``ANSWER_WAIT_S`` later)."""
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -147,8 +150,15 @@ def header_timeout_protocol(
         _release_timer: asyncio.TimerHandle | None = None
         _pending_answer: bytes | None = None  # a head refusal waiting for its body to be read
         _answer_timer: asyncio.TimerHandle | None = None
+        _body_left: int | None = None  # bytes of a refused request's body still to come (Content-Length)
 
         def data_received(self, data: bytes) -> None:
+            left = self._body_left
+            if self._discarding and left is not None and len(data) > left:
+                # the refused request's body ends inside this read: what follows is another request
+                super().data_received(data[:left])
+                self.data_received(data[left:])
+                return
             if self._held is not None:
                 self._held.append(data)
                 return
@@ -211,14 +221,33 @@ def header_timeout_protocol(
             if self.expect_100_continue:  # the client waits for us before sending a body: none will come
                 self.transport.write(answer)
                 self.transport.close()
+            elif enforce_retry_after and (length := self._content_length()) is not None:
+                # answered now; data_received splits the read where this body ends, so a request sent
+                # right after the answer is held (not judged at once because it came in the body's read)
+                self._body_left = length
+                self._pending_answer = answer
+                self._write_pending_answer()
             elif enforce_retry_after:
-                # answered once the body is in (or after ANSWER_WAIT_S): a client that sends again at once
-                # then starts its next request in a read of its own, which the Retry-After hold can see
+                # chunked: answered once the body is in (or after ANSWER_WAIT_S), so that a client sending
+                # again at once starts its next request in a read of its own, which the hold can see
                 self._pending_answer = answer
                 self._answer_timer = self.loop.call_later(ANSWER_WAIT_S, self._write_pending_answer)
             else:
                 self.transport.write(answer)
             return True
+
+        def _content_length(self) -> int | None:
+            """The request's Content-Length, or None for a chunked (or malformed) body."""
+            length = None
+            for name, value in self.headers:
+                if name == b"transfer-encoding":
+                    return None
+                if name == b"content-length":
+                    try:
+                        length = int(value)
+                    except ValueError:
+                        return None
+            return length if length is not None and length >= 0 else None
 
         def _write_pending_answer(self) -> None:
             answer, self._pending_answer = self._pending_answer, None
@@ -233,12 +262,15 @@ def header_timeout_protocol(
         def on_body(self, body: bytes) -> None:
             if not self._discarding:
                 super().on_body(body)
+            elif self._body_left is not None:
+                self._body_left -= len(body)
 
         def on_message_complete(self) -> None:
             if not self._discarding:
                 super().on_message_complete()
                 return
             self._discarding = False
+            self._body_left = None
             self._write_pending_answer()
             if self._close_after:
                 self.transport.close()

@@ -126,7 +126,7 @@ def refuse_early(
     if model is None and len(settings.models) == 1:
         model = next(iter(settings.models))
     if model is not None and model in engine.model_names:
-        engine.refuse_early(model, deadline)
+        engine.refuse_early(model, deadline, lease=True)
 
 
 async def run_engine(
