@@ -23,6 +23,7 @@ from vit_backbone import Backbone, load_backbone
 from vit_backbone.heads import load_head, read_card
 from vit_backbone.heads.data import read_labelled_folder
 from vit_backbone.heads.predict import predict_masks, predict_proba
+from vit_backbone.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 # the tiny random-init model's patch head on 8 training images, 2 held out: measured 0.9302 and 0.8264
@@ -64,13 +65,20 @@ def test_train_predict_show(
         r"validation accuracy: 1\.0000 \(6 held out; chosen weight_decay=[0-9.e-]+\)", lines[2]
     )
     assert lines[3] == f"saved {tmp_path / 'lin.safetensors'} and {tmp_path / 'lin.json'}"
-    assert lines[4] == "features computed in float32 (recorded in the card: serve's choice on this machine)"
+    # auto: float32 unless the CPU runs bfloat16 natively, where the rule also weighs cosine and speed
+    precision = read_card(tmp_path / "lin.json").precision
+    assert precision == "float32" or (precision == "bfloat16" and cpu_has_native_bf16())
+    assert lines[4] == (
+        f"features computed in {precision} (auto: serve's choice on this machine; recorded in the card)"
+    )
     assert oct((tmp_path / "lin.safetensors").stat().st_mode & 0o777) == oct(
         (tmp_path / "lin.json").stat().st_mode & 0o777
     )
-    status, out, err = run(capsys, "heads", "train", *common, "--kind", "knn", "--out", tmp_path / "knn")
+    knn = ("--kind", "knn", "--precision", precision, "--out", tmp_path / "knn")
+    status, out, err = run(capsys, "heads", "train", *common, *knn)
     assert status == 0, err
     assert out.splitlines()[1] == "features: 0 computed, 30 from the cache"  # retraining reuses the features
+    assert out.splitlines()[4] == f"features computed in {precision} (as asked; recorded in the card)"
     assert re.fullmatch(
         r"validation accuracy: 1\.0000 \(6 held out; chosen k=\d+, temperature=0\.07\)", out.splitlines()[2]
     )

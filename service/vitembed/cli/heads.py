@@ -130,7 +130,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"validation mIoU: {card.val_miou:.4f}")
     print(f"saved {weights} and {card_file}")
     if card.precision is not None:
-        print(f"features computed in {card.precision} (recorded in the card: serve's choice on this machine)")
+        why = "auto: serve's choice on this machine" if args.precision == "auto" else "as asked"
+        print(f"features computed in {card.precision} ({why}; recorded in the card)")
     return 0
 
 
