@@ -277,8 +277,12 @@ def locate_embedded_onnx(*, source: Path | None = None, work_dir: Path, download
 # the checkpoint folder: metadata, cache, atomic publish
 
 
+def _json_text(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
 def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(_json_text(data), encoding="utf-8")
 
 
 def _vitembed_meta(sha: str) -> dict[str, Any]:
@@ -308,10 +312,6 @@ def _is_complete(folder: Path, *, revision: str | None = None) -> bool:
     return meta is not None and (revision is None or meta.get("revision") == revision)
 
 
-def _config_text() -> str:
-    return json.dumps(onnx_convert.config_json(), indent=2, sort_keys=True) + "\n"
-
-
 def _refresh_derived(folder: Path) -> None:
     """Bring the small files derived from code, not from the weights, in line with this release:
     vitembed.json's ``defaults`` (EMBEDDED_DEFAULTS may change between releases while the weights, hence the
@@ -321,8 +321,8 @@ def _refresh_derived(folder: Path) -> None:
     meta = _read_meta(folder)
     if meta is not None and meta.get("defaults") != EMBEDDED_DEFAULTS:
         meta["defaults"] = EMBEDDED_DEFAULTS
-        _replace_text(folder / "vitembed.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    config = _config_text()
+        _replace_text(folder / "vitembed.json", _json_text(meta))
+    config = _json_text(onnx_convert.config_json())
     try:
         current = (folder / "config.json").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
@@ -413,7 +413,7 @@ def _convert_verified(onnx_path: Path, out_dir: Path, sha: str) -> None:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()  # not mkdtemp: the folder keeps the umask's permissions once renamed into place
     try:
-        (tmp / "config.json").write_text(_config_text(), encoding="utf-8")
+        _write_json(tmp / "config.json", onnx_convert.config_json())
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
         _write_json(tmp / "preprocessor_config.json", onnx_convert.preprocessor_config())

@@ -83,6 +83,27 @@ def test_concurrent_requests_share_forward_passes_and_equal_the_library(
     np.testing.assert_allclose(rows, expected, atol=1e-5)
 
 
+def test_the_lease_of_an_early_check_is_given_back_by_the_same_requests_admission(engine: Engine) -> None:
+    """The place ``refuse_early(lease=True)`` holds while a body is read is traded by that request's own
+    admission (same task), not left to lapse after LEASE_S while the request also holds a reservation."""
+    load = engine._get("tiny").load
+
+    async def request() -> tuple[int, int]:
+        engine.refuse_early("tiny", time.monotonic() + 30, lease=True)
+        during = len(load._leases)
+        await embed(engine, [jpeg(64, 64, 0)])
+        return during, len(load._leases)
+
+    async def other_task_checks_only() -> int:
+        await asyncio.to_thread(engine.refuse_early, "tiny", time.monotonic() + 30, lease=True)
+        await embed(engine, [jpeg(64, 64, 1)])  # this task holds no lease of its own to give back
+        return len(load._leases)
+
+    assert asyncio.run(request()) == (1, 0)
+    assert asyncio.run(other_task_checks_only()) == 1  # the thread's lease is not this task's: it lapses
+    load._leases.clear()
+
+
 def test_a_bad_image_names_its_index_and_costs_no_forward_pass(engine: Engine) -> None:
     before = metric(engine, "vitembed_forward_passes_total")
     good = jpeg(100, 100, 1)

@@ -410,7 +410,7 @@ class AdmissionControl:
         self.capacity = capacity
         self.target_s = target_s
         self.spread_retries = spread_retries  # RetrySpread on each model's refusals
-        self.clock = clock  # the spread's seconds (injected by tests)
+        self.clock = clock  # the spread's seconds and the leases' expiry (injected by tests)
         self.lock = threading.Lock()
         self.held = 0  # images reserved or running, all models
         self._loads: dict[str, ModelLoad] = {}

@@ -105,9 +105,8 @@ Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
 
 
 MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
-ANSWER_WAIT_S = (
-    1.0  # the longest a refusal on the head of a chunked request waits for its body before it is sent
-)
+# the longest a refusal on the head of a chunked request waits for its body before it is sent
+ANSWER_WAIT_S = 1.0
 
 
 def retry_after_of(response: bytes) -> float:
@@ -225,8 +224,7 @@ def header_timeout_protocol(
                 # answered now; data_received splits the read where this body ends, so a request sent
                 # right after the answer is held (not judged at once because it came in the body's read)
                 self._body_left = length
-                self._pending_answer = answer
-                self._write_pending_answer()
+                self._send_answer(answer)
             elif enforce_retry_after:
                 # chunked: answered once the body is in (or after ANSWER_WAIT_S), so that a client sending
                 # again at once starts its next request in a read of its own, which the hold can see
@@ -254,7 +252,12 @@ def header_timeout_protocol(
             if self._answer_timer is not None:
                 self._answer_timer.cancel()
                 self._answer_timer = None
-            if answer is None or self.transport.is_closing():
+            if answer is not None:
+                self._send_answer(answer)
+
+        def _send_answer(self, answer: bytes) -> None:
+            """Write a head refusal; the connection's next request is early until its Retry-After."""
+            if self.transport.is_closing():
                 return
             self.transport.write(answer)
             self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after_of(answer))
