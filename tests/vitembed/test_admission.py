@@ -188,19 +188,28 @@ def test_the_throughput_estimate_follows_recent_passes() -> None:
     assert estimate.per_image_s(300) == 0.5 and estimate.per_image_s(250) == 0.5 * 250 / 300
 
 
-def test_the_wait_calibration_follows_actual_over_predicted_within_bounds() -> None:
-    calibration = WaitCalibration(weight=0.5, min_predicted_s=0.5, bounds=(0.75, 4.0))
+def test_the_wait_calibration_tracks_a_high_quantile_of_actual_over_predicted_within_bounds() -> None:
+    calibration = WaitCalibration(quantile=0.95, step=0.05, min_predicted_s=0.5, bounds=(0.75, 4.0))
     calibration.observe(predicted_s=0.2, actual_s=5.0)  # too short a prediction to say anything
     assert calibration.factor == 1.0
-    calibration.observe(predicted_s=1.0, actual_s=2.0)
-    assert calibration.factor == 1.5
-    calibration.observe(predicted_s=1.0, actual_s=2.0)
-    assert calibration.factor == 1.75
-    calibration.observe(predicted_s=1.0, actual_s=100.0)  # one stuck request moves it at most to the bound
-    assert calibration.factor == 1.75 + 0.5 * (4.0 - 1.75)
-    for _ in range(40):
+    calibration.observe(predicted_s=1.0, actual_s=100.0)  # one stuck request moves it by one step only
+    assert calibration.factor == pytest.approx(1.0475)
+    calibration.observe(predicted_s=1.0, actual_s=0.5)  # one quick request: a twentieth of a step down
+    assert calibration.factor == pytest.approx(1.0475 * 0.9975)
+    # ratios spread evenly over 1.0 .. 2.0: the factor settles near their 95th percentile, not their mean
+    ratios = [1.0 + i / 99 for i in range(100)]
+    for round_ in range(60):
+        for i in range(100):
+            calibration.observe(predicted_s=1.0, actual_s=ratios[(i * 37 + round_) % 100])
+    assert 1.8 <= calibration.factor <= 2.05  # (the mean, 1.5, is far below; steps of ~5 % make it wobble)
+    for _ in range(2000):
         calibration.observe(predicted_s=2.0, actual_s=0.1)  # faster than predicted: down to the lower bound
-    assert calibration.factor == pytest.approx(0.75)
+    assert calibration.factor == 0.75
+    for _ in range(200):
+        calibration.observe(predicted_s=1.0, actual_s=50.0)  # and up to the upper one
+    assert calibration.factor == 4.0
+    with pytest.raises(ValueError, match="quantile and step"):
+        WaitCalibration(quantile=1.0)
 
 
 def test_a_calibrated_model_load_admits_only_what_it_can_serve_within_the_target() -> None:
@@ -210,11 +219,12 @@ def test_a_calibrated_model_load_admits_only_what_it_can_serve_within_the_target
     control = AdmissionControl(capacity=16, target_s=1.0)
     load = control.model("m")
     load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image of 100 tokens
-    load.calibration = WaitCalibration(weight=1.0)
+    load.calibration = WaitCalibration(step=0.999, quantile=0.5)
     first = load.admit(1, 100, deadline_left_s=30.0)
     first.uncalibrated_wait_s = 0.5  # as if admitted behind three others
-    load.settle(first, actual_wait_s=1.0)
-    assert load.calibration.factor == 2.0
+    load.settle(first, actual_wait_s=1.0)  # waited longer than predicted: the factor rises
+    assert load.calibration.factor == pytest.approx(1.4995)
+    load.calibration.factor = 2.0
     first.release()
     admitted = [load.admit(1, 100, deadline_left_s=30.0) for _ in range(4)]
     assert [r.predicted_wait_s for r in admitted] == [0.25 * (i + 1) for i in range(4)]

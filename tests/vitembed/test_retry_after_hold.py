@@ -56,13 +56,21 @@ async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
 app = RequestContextMiddleware(endpoint, metrics=Metrics())  # notes a 429's Retry-After for the protocol
 
 
-def serve(enforce: bool) -> Iterator[int]:
+def serve(enforce: bool, keep_alive_s: int = 5) -> Iterator[int]:
     protocol = header_timeout_protocol(10.0, gate=gate, enforce_retry_after=enforce)
     assert protocol is not None, "httptools is a dependency of the service extra"
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         port = int(probe.getsockname()[1])
-    config = uvicorn.Config(app, host=HOST, port=port, http=protocol, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        app,
+        host=HOST,
+        port=port,
+        http=protocol,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=keep_alive_s,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -84,6 +92,14 @@ def enforcing() -> Iterator[int]:
 @pytest.fixture(scope="module")
 def lenient() -> Iterator[int]:
     yield from serve(enforce=False)
+
+
+KEEP_ALIVE_S = 1  # shorter than RETRY_AFTER_S, as uvicorn's 5 s is shorter than a spread Retry-After
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["enforcing", "lenient"])
+def short_keep_alive(request: pytest.FixtureRequest) -> Iterator[int]:
+    yield from serve(enforce=request.param, keep_alive_s=KEEP_ALIVE_S)
 
 
 def send(sock: socket.socket, refuse: bool, *, by_app: bool = False) -> None:
@@ -228,3 +244,33 @@ def test_a_refused_chunked_body_that_trickles_is_answered_after_a_second(enforci
         sock.sendall(CHUNKED_HEAD.encode() + b"5\r\nhello\r\n")  # the rest never comes
         status, _ = answer(sock)
         assert status == 429 and ANSWER_WAIT_S - 0.1 <= time.monotonic() - began < ANSWER_WAIT_S + PROMPT_S
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(PROMPT_S)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    finally:
+        sock.settimeout(30)
+
+
+def test_a_refused_connection_stays_open_until_its_retry_after_has_passed(short_keep_alive: int) -> None:
+    """The keep-alive timeout counts from the end of the Retry-After a connection was given: a caller that
+    waits as told (here 2 s, past the 1 s keep-alive) sends on the same connection; others close as usual."""
+    with (
+        connect(short_keep_alive) as served,
+        connect(short_keep_alive) as refused,
+        connect(short_keep_alive) as refused_by_app,
+    ):
+        assert timed(served, refuse=False)[0] == 200
+        assert timed(refused, refuse=True)[0] == 429
+        assert timed(refused_by_app, refuse=True, by_app=True)[0] == 429
+        time.sleep(RETRY_AFTER_S + 0.1)
+        assert closed_by_server(served)  # 1 s keep-alive after its 200
+        for sock in (refused, refused_by_app):
+            status, seconds = timed(sock, refuse=False)  # still open: answered at once
+            assert status == 200 and seconds < PROMPT_S
+        time.sleep(KEEP_ALIVE_S + PROMPT_S)  # after a 200: the usual timeout again
+        assert closed_by_server(refused) and closed_by_server(refused_by_app)

@@ -11,8 +11,10 @@
 - ``header_timeout_protocol``: uvicorn's httptools protocol, plus a deadline for the request head: a
   connection that sends no complete request head within ``header_timeout_s`` of opening (or of starting a
   request) is closed (408 if it had begun one). Idle keep-alive connections are closed by uvicorn's own
-  keep-alive timeout. With a gate (``early_refusal.AdmissionGate``) it also answers admission refusals
-  on the request head, before any ASGI task exists.
+  keep-alive timeout, counted on a connection answered 429 from the end of the ``Retry-After`` it was
+  given (a caller that waits as told finds its connection open). With a gate
+  (``early_refusal.AdmissionGate``) it also answers admission refusals on the request head, before any ASGI
+  task exists.
 """
 
 from __future__ import annotations
@@ -150,6 +152,18 @@ def header_timeout_protocol(
         _pending_answer: bytes | None = None  # a head refusal waiting for its body to be read
         _answer_timer: asyncio.TimerHandle | None = None
         _body_left: int | None = None  # bytes of a refused request's body still to come (Content-Length)
+        _told_until: float = 0.0  # loop time the last Retry-After on this connection named
+
+        def _note_retry_after(self, seconds: float) -> None:
+            self._told_until = self.loop.time() + min(MAX_HOLD_S, seconds)
+
+        def _arm_keep_alive(self) -> None:
+            """uvicorn's keep-alive timeout, counted from the end of the last Retry-After given here: with
+            the spread, a refused caller may be told to wait ~9 s, longer than the 5 s default, and a caller
+            that waits as told should not pay for a new connection (or find it closed mid-send)."""
+            self._unset_keepalive_if_required()
+            wait = self.timeout_keep_alive + max(0.0, self._told_until - self.loop.time())
+            self.timeout_keep_alive_task = self.loop.call_later(wait, self.timeout_keep_alive_handler)
 
         def data_received(self, data: bytes) -> None:
             left = self._body_left
@@ -232,6 +246,7 @@ def header_timeout_protocol(
                 self._answer_timer = self.loop.call_later(ANSWER_WAIT_S, self._write_pending_answer)
             else:
                 self.transport.write(answer)
+                self._note_retry_after(retry_after_of(answer))
             return True
 
         def _content_length(self) -> int | None:
@@ -260,7 +275,8 @@ def header_timeout_protocol(
             if self.transport.is_closing():
                 return
             self.transport.write(answer)
-            self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after_of(answer))
+            self._note_retry_after(retry_after_of(answer))
+            self._retry_at = self._told_until
 
         def on_body(self, body: bytes) -> None:
             if not self._discarding:
@@ -278,16 +294,18 @@ def header_timeout_protocol(
             if self._close_after:
                 self.transport.close()
             elif not self.transport.is_closing():
-                self.timeout_keep_alive_task = self.loop.call_later(
-                    self.timeout_keep_alive, self.timeout_keep_alive_handler
-                )
+                self._arm_keep_alive()
 
         def on_response_complete(self) -> None:
             # a 429 the app gave (after reading the body): this connection waits out its Retry-After too
-            retry_after = self.scope.get(RETRY_AFTER_SCOPE_KEY) if enforce_retry_after else None
+            retry_after = self.scope.get(RETRY_AFTER_SCOPE_KEY)
             if isinstance(retry_after, float) and retry_after > 0:
-                self._retry_at = self.loop.time() + min(MAX_HOLD_S, retry_after)
+                self._note_retry_after(retry_after)
+                if enforce_retry_after:
+                    self._retry_at = self._told_until
             super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # armed by uvicorn: count it from the Retry-After
+                self._arm_keep_alive()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
