@@ -69,7 +69,8 @@ class Metrics:
         )
         self.admission_calibration = Gauge(
             "vitembed_admission_calibration",
-            "actual / predicted wait of recent admitted requests, which scales the predictions (1 = exact)",
+            "90th percentile of actual / predicted wait of recent admitted requests, which scales the "
+            "predictions (1 = exact)",
             ["model"],
             registry=self.registry,
         )

@@ -252,6 +252,24 @@ def test_refusals_are_spread_so_that_they_return_at_twice_the_throughput() -> No
     assert spread.pending_images == 1
 
 
+def test_the_spread_lets_callers_back_at_the_forward_passes_throughput_whatever_the_calibration() -> None:
+    """The calibration says how long the last in line may wait, not how fast the queue drains: with a
+    factor of 2 the spread still lets 16 single images back per second at 0.125 s per image (not 8)."""
+    control = AdmissionControl(capacity=256, target_s=1.0, clock=lambda: 100.5)
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)
+    load.calibration.factor = 2.0
+    for _ in range(4):  # 4 x 0.25 s calibrated: the queue is at its 1 s target
+        load.admit(1, 100, deadline_left_s=30.0)
+    waits = []
+    for _ in range(32):
+        with pytest.raises(QueueFullError) as refused:
+            load.admit(1, 100, deadline_left_s=30.0)
+        waits.append(refused.value.retry_after_s)
+    base = waits[0]
+    assert waits == [base] * 16 + [base + 1] * 16
+
+
 def test_the_spread_counts_images_and_is_capped() -> None:
     spread = RetrySpread(max_spread_s=3)
     # 1 s per image: 2 images/s let back; a 64-image refusal takes a second of its own, then the least booked

@@ -263,10 +263,12 @@ def test_a_refused_connection_stays_open_until_its_retry_after_has_passed(short_
         connect(short_keep_alive) as served,
         connect(short_keep_alive) as refused,
         connect(short_keep_alive) as refused_by_app,
+        connect(short_keep_alive) as gone,
     ):
         assert timed(served, refuse=False)[0] == 200
         assert timed(refused, refuse=True)[0] == 429
         assert timed(refused_by_app, refuse=True, by_app=True)[0] == 429
+        assert timed(gone, refuse=True)[0] == 429
         time.sleep(RETRY_AFTER_S + 0.1)
         assert closed_by_server(served)  # 1 s keep-alive after its 200
         for sock in (refused, refused_by_app):
@@ -274,3 +276,17 @@ def test_a_refused_connection_stays_open_until_its_retry_after_has_passed(short_
             assert status == 200 and seconds < PROMPT_S
         time.sleep(KEEP_ALIVE_S + PROMPT_S)  # after a 200: the usual timeout again
         assert closed_by_server(refused) and closed_by_server(refused_by_app)
+        assert closed_by_server(gone)  # never came back: closed once Retry-After + keep-alive had passed
+
+
+def test_a_request_right_behind_a_refusal_outlives_the_stretched_keep_alive(short_keep_alive: int) -> None:
+    """The refused body and the next request's head arrive in one read, and that request's body trickles
+    in past Retry-After + keep-alive (3 s): the timer the refusal armed must be off while it is read."""
+    head = f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\nx-refuse: 0\r\n\r\n"
+    with connect(short_keep_alive) as sock:
+        sock.sendall(REFUSED_HEAD.encode() + BODY + head.encode() + BODY[:-10])
+        assert answer(sock)[0] == 429
+        time.sleep(RETRY_AFTER_S + KEEP_ALIVE_S + 0.5)
+        sock.sendall(BODY[-10:])
+        status, body = answer(sock)
+        assert status == 200 and json.loads(body.partition(b"\r\n\r\n")[2]) == {"received": len(BODY)}

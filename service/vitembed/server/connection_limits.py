@@ -162,6 +162,8 @@ def header_timeout_protocol(
             the spread, a refused caller may be told to wait ~9 s, longer than the 5 s default, and a caller
             that waits as told should not pay for a new connection (or find it closed mid-send)."""
             self._unset_keepalive_if_required()
+            if self.transport.is_closing():
+                return
             wait = self.timeout_keep_alive + max(0.0, self._told_until - self.loop.time())
             self.timeout_keep_alive_task = self.loop.call_later(wait, self.timeout_keep_alive_handler)
 
@@ -208,6 +210,7 @@ def header_timeout_protocol(
             # data_received's own cancel has already run: without this, the timer closes the connection
             # under the next request, which then ends without an answer
             self._unset_keepalive_if_required()
+            self._told_until = 0.0  # a Retry-After given before this request no longer stretches keep-alive
             self._head_begun = True
             if self._head_timer is None:
                 self._arm_head_timer()
