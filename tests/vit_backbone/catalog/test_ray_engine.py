@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,8 +86,12 @@ def test_ray_engine_decides_auto_precision_on_a_worker_and_records_it(
         (few / Path(name).name).write_bytes((tree.root / name).read_bytes())
     result = run_cli(few, tmp_path / "out", "--engine", "ray", "--actors", "1", "--precision", "auto")
     assert result.code == 0, result.err
-    expected = "bfloat16" if cpu_has_native_bf16() else "float32"  # the worker runs on this CPU here
-    assert f"embed-catalog: --precision auto -> {expected}, decided on a Ray worker" in result.err
+    # the worker runs on this CPU here: bfloat16 only where it is native, and only if the speed check keeps it
+    allowed = {"float32", "bfloat16"} if cpu_has_native_bf16() else {"float32"}
+    decided = re.search(r"embed-catalog: --precision auto -> (\w+), decided on a Ray worker", result.err)
+    assert decided is not None, result.err
+    expected = decided.group(1)
+    assert expected in allowed
     catalog = read_catalog(tmp_path / "out")
     assert catalog.meta.precision == expected and len(catalog.ids) == 3
     job = json.loads((tmp_path / "out" / "catalog.json").read_text())["job"]
