@@ -95,5 +95,19 @@ class Metrics:
             registry=self.registry,
         )
 
+        # the cyclic GC (server/gc_heap.py): its pauses stop every thread, the event loop included
+        self.gc_pause = Histogram(
+            "vitembed_gc_pause_seconds",
+            "pauses of Python's cyclic garbage collector, by generation (every thread waits for one)",
+            ["generation"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=self.registry,
+        )
+        self.gc_frozen = Gauge(
+            "vitembed_gc_frozen_objects",
+            "objects moved out of the GC's reach when the app became ready (0: gc_freeze off)",
+            registry=self.registry,
+        )
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

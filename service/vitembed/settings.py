@@ -62,6 +62,10 @@ class ServiceSettings(BaseSettings):
     # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s
     # instead of 0.65 s beside a busy Python thread, 0.78 s at 0.5 ms (README, overload)
     gil_switch_interval_ms: float = Field(0.5, gt=0, le=100)
+    # freeze the start-up heap out of the cyclic GC's reach once the app is ready: a full collection walks
+    # it holding the GIL (~0.1 s on 2 cores), which stalls the event loop and the forward thread alike
+    # (server/gc_heap.py)
+    gc_freeze: bool = True
 
     # limits
     max_body_bytes: int = Field(32 * MiB, ge=1024)

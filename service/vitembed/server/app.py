@@ -33,6 +33,7 @@ from vitembed.server.connection_limits import (
 )
 from vitembed.server.early_refusal import AdmissionGate
 from vitembed.server.errors import RequestContextMiddleware, install_error_handlers
+from vitembed.server.gc_heap import GcPauseTimer, freeze_startup_heap, unfreeze_heap
 from vitembed.server.openapi import make_contract
 from vitembed.server.quotas import QuotaBook, QuotaExceededError, QuotaMiddleware, quota_exceeded
 from vitembed.server.routes_embed import embed_router
@@ -89,6 +90,23 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     quotas = QuotaBook(metrics) if settings.callers.limited else None  # per-caller quotas (API keys file)
     gate = AdmissionGate(settings, metrics, quotas)  # refusals on the request head (serve's protocol)
 
+    gc_pauses = GcPauseTimer(metrics.gc_pause)
+
+    @contextlib.asynccontextmanager
+    async def ready() -> AsyncIterator[None]:
+        """Everything is loaded: freeze the start-up heap (settings.gc_freeze) and time GC pauses; at
+        shutdown give the heap back to the collector (an app stopped in a process that goes on, as in
+        tests, leaves no uncollectable cycles behind)."""
+        if settings.gc_freeze:
+            metrics.gc_frozen.set(freeze_startup_heap())
+        gc_pauses.install()
+        try:
+            yield
+        finally:
+            gc_pauses.remove()
+            if settings.gc_freeze:
+                unfreeze_heap()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
@@ -96,7 +114,8 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
             gate.engine = engine
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, engine)
             try:
-                yield
+                async with ready():
+                    yield
             finally:
                 app.state.indexes.close()
             return
@@ -111,7 +130,8 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
         try:
             app.state.indexes = await asyncio.to_thread(load_indexes, settings, owned)
             try:
-                yield
+                async with ready():
+                    yield
             finally:
                 app.state.indexes.close()
         finally:
