@@ -11,6 +11,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from vitembed.gc_heap import GcPauseTimer
+
 STAGES = ("decode", "preprocess", "queue", "forward", "serialise")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -95,7 +97,7 @@ class Metrics:
             registry=self.registry,
         )
 
-        # the cyclic GC (server/gc_heap.py): its pauses stop every thread, the event loop included
+        # the cyclic GC (gc_heap.py): its pauses stop every thread, the event loop included
         self.gc_pause = Histogram(
             "vitembed_gc_pause_seconds",
             "pauses of Python's cyclic garbage collector, by generation (every thread waits for one)",
@@ -105,9 +107,12 @@ class Metrics:
         )
         self.gc_frozen = Gauge(
             "vitembed_gc_frozen_objects",
-            "objects moved out of the GC's reach when the app became ready (0: gc_freeze off)",
+            "objects this process held frozen out of the GC's reach when the app became ready "
+            "(0: gc_freeze off)",
             registry=self.registry,
         )
+        self.gc_timer = GcPauseTimer(self.gc_pause)  # installed by the app while it serves
 
     def render(self) -> tuple[bytes, str]:
+        self.gc_timer.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

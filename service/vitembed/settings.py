@@ -64,7 +64,7 @@ class ServiceSettings(BaseSettings):
     gil_switch_interval_ms: float = Field(0.5, gt=0, le=100)
     # freeze the start-up heap out of the cyclic GC's reach once the app is ready: a full collection walks
     # it holding the GIL (~0.1 s on 2 cores), which stalls the event loop and the forward thread alike
-    # (server/gc_heap.py)
+    # (gc_heap.py)
     gc_freeze: bool = True
 
     # limits

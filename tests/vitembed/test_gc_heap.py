@@ -4,53 +4,83 @@ into ``vitembed_gc_pause_seconds``."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 from conftest import OpenServer
 from promtext import sum_samples
+from vitembed.gc_heap import freeze_startup_heap, release_heap
 from vitembed.metrics import Metrics
-from vitembed.server.gc_heap import GcPauseTimer, freeze_startup_heap, unfreeze_heap
 
 pytestmark = pytest.mark.anyio
 
 
-def test_pause_timer_records_each_collection_by_generation_while_installed() -> None:
+def test_pause_timer_counts_each_collection_by_generation_once_installed() -> None:
     metrics = Metrics()
-    timer = GcPauseTimer(metrics.gc_pause)
-    timer.install()
-    timer.install()  # once only
-    gc.disable()  # no automatic collection in between: exactly the two below are counted
+    timer = metrics.gc_timer
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection in between: exactly the ones below are counted
     try:
+        timer.install()
+        timer.install()  # a second user (two apps on one engine's metrics): one callback, not two
         gc.collect(2)
         gc.collect(0)
         timer.remove()
-        gc.collect(2)  # after removal: not recorded
+        gc.collect(1)  # still installed for the other user
+        timer.remove()
+        gc.collect(2)  # removed: not counted
     finally:
         timer.remove()
-        gc.enable()
-    text = metrics.render()[0].decode()
-    assert sum_samples(text, "vitembed_gc_pause_seconds_count", generation="2") == 1
-    assert sum_samples(text, "vitembed_gc_pause_seconds_count", generation="0") == 1
-    assert sum_samples(text, "vitembed_gc_pause_seconds_sum", generation="2") > 0
+        if was_enabled:
+            gc.enable()
     assert timer._on_gc not in gc.callbacks
+    text = metrics.render()[0].decode()  # rendering moves the recorded pauses into the histogram
+    counts = [sum_samples(text, "vitembed_gc_pause_seconds_count", generation=g) for g in "012"]
+    assert counts == [1, 1, 1]
+    assert sum_samples(text, "vitembed_gc_pause_seconds_sum", generation="2") > 0
 
 
-def test_freezing_takes_the_live_heap_out_of_full_collections() -> None:
-    unfreeze_heap()
+def test_a_collection_while_metrics_render_records_its_pause_without_deadlock() -> None:
+    """The callback runs inside whatever allocation starts a collection, also while the rendering thread
+    holds a metric's lock; it must not take that lock again (a daemon thread, so a regression fails the
+    test instead of hanging it)."""
+    metrics = Metrics()
+    metrics.gc_timer.install()
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with metrics.gc_pause._lock:  # what rendering holds while it copies the histogram's children
+            gc.collect(0)
+        done.set()
+
+    try:
+        threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+        assert done.wait(10), "a GC pause recorded under the metric's lock deadlocked"
+        text = metrics.render()[0].decode()
+    finally:
+        metrics.gc_timer.remove()
+    assert sum_samples(text, "vitembed_gc_pause_seconds_count", generation="0") >= 1
+
+
+def test_freezing_takes_the_live_heap_out_of_full_collections_until_the_last_release() -> None:
+    assert gc.get_freeze_count() == 0  # nothing leaked frozen by another test
     kept = [[i] for i in range(50_000)]  # live objects the collector tracks
     try:
         frozen = freeze_startup_heap()
         assert frozen >= len(kept) and gc.get_freeze_count() == frozen
-        # a full collection now walks the oldest generation only, which the freeze emptied of them
+        # a full collection walks the oldest generation only, which the freeze emptied of them
         assert not any(obj is kept[0] for obj in gc.get_objects(generation=2))
+        freeze_startup_heap()  # a second app in the same process
+        release_heap()
+        assert gc.get_freeze_count() > 0  # one app still serving: still frozen
     finally:
-        unfreeze_heap()
+        release_heap()
     assert gc.get_freeze_count() == 0
     assert any(obj is kept[0] for obj in gc.get_objects(generation=2))  # given back
 
 
-async def test_app_freezes_its_heap_when_ready_times_pauses_and_unfreezes_at_stop(serve: OpenServer) -> None:
-    unfreeze_heap()
+async def test_app_freezes_its_heap_when_ready_times_pauses_and_releases_at_stop(serve: OpenServer) -> None:
+    assert gc.get_freeze_count() == 0
     async with serve() as server:  # default settings: gc_freeze on
         assert server.settings.gc_freeze
         frozen = await server.metric("vitembed_gc_frozen_objects")

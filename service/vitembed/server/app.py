@@ -25,6 +25,7 @@ from pydantic.json_schema import models_json_schema
 
 from vitembed.engine.engine import Engine
 from vitembed.engine.served_indexes import load_indexes
+from vitembed.gc_heap import freeze_startup_heap, release_heap
 from vitembed.metrics import Metrics
 from vitembed.server.connection_limits import (
     BodyLimitMiddleware,
@@ -33,7 +34,6 @@ from vitembed.server.connection_limits import (
 )
 from vitembed.server.early_refusal import AdmissionGate
 from vitembed.server.errors import RequestContextMiddleware, install_error_handlers
-from vitembed.server.gc_heap import GcPauseTimer, freeze_startup_heap, unfreeze_heap
 from vitembed.server.openapi import make_contract
 from vitembed.server.quotas import QuotaBook, QuotaExceededError, QuotaMiddleware, quota_exceeded
 from vitembed.server.routes_embed import embed_router
@@ -90,22 +90,20 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
     quotas = QuotaBook(metrics) if settings.callers.limited else None  # per-caller quotas (API keys file)
     gate = AdmissionGate(settings, metrics, quotas)  # refusals on the request head (serve's protocol)
 
-    gc_pauses = GcPauseTimer(metrics.gc_pause)
-
     @contextlib.asynccontextmanager
     async def ready() -> AsyncIterator[None]:
         """Everything is loaded: freeze the start-up heap (settings.gc_freeze) and time GC pauses; at
-        shutdown give the heap back to the collector (an app stopped in a process that goes on, as in
-        tests, leaves no uncollectable cycles behind)."""
+        shutdown release the heap (the last app to stop gives it back to the collector, so a process that
+        goes on, as in tests, keeps no uncollectable cycles)."""
         if settings.gc_freeze:
             metrics.gc_frozen.set(freeze_startup_heap())
-        gc_pauses.install()
+        metrics.gc_timer.install()
         try:
             yield
         finally:
-            gc_pauses.remove()
+            metrics.gc_timer.remove()
             if settings.gc_freeze:
-                unfreeze_heap()
+                release_heap()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
