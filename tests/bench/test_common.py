@@ -64,7 +64,10 @@ def test_closed_loop_sends_count_requests_in_its_own_process(
     run = load.run(target, LoadPlan(clients=2, count=6))
     assert run.status_counts() == {200: 6}
     assert len(http_server.seen) == 6  # type: ignore[attr-defined]
-    assert sum(b"first" in body for body in http_server.seen) == 3  # type: ignore[attr-defined]
+    # each client cycles the bodies from its own slot (0: first, 1: second); how many requests each of the
+    # two sends out of the shared count of 6 depends on which answers come back first
+    firsts = sum(b"first" in body for body in http_server.seen)  # type: ignore[attr-defined]
+    assert 1 <= firsts <= 5
     assert run.pid == load.pid != os.getpid()
     assert run.cpu_s > 0 and run.wall_s > 0
     assert run.images_per_s == pytest.approx(6 / run.wall_s)

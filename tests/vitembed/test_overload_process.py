@@ -105,9 +105,13 @@ def test_a_flood_far_above_capacity_gets_429s_and_admitted_requests_finish_in_ti
     admitted = flood_server.metric("vitembed_admission_total", outcome="admitted")
     assert admitted >= len(ok)
     assert flood_server.metric("vitembed_rejected_total", reason="deadline") == 0
-    # every 429 was counted once, by where it was decided: most on the request head, before the body is read
+    # every 429 was counted once, by where it was decided. How many fall on the head is timing: the head
+    # check prices one image at the model's default grid (1/16 of these 896x896 ones), so it refuses only
+    # while the queue is within one small image of the target (a clean-clone CI run had 0 of 83 there);
+    # test_early_refusal.py checks the head's refusal on a real engine, test_retry_after_hold.py the protocol
+    # writing it
     on_head, after_body = (refusals(stage) - before[stage] for stage in ("head", "body"))
-    assert on_head + after_body == len(refused) and on_head >= 1, (on_head, after_body, len(refused))
+    assert on_head + after_body == len(refused), (on_head, after_body, len(refused))
     with flood_server.client() as client:  # and it is at once available again
         assert client.get("/ready").status_code == 200
         began = time.monotonic()
