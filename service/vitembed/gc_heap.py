@@ -55,7 +55,9 @@ class GcPauseTimer:
 
     def __init__(self, histogram: Histogram, capacity: int = 4096) -> None:
         self._histogram = histogram
-        self._pending: deque[tuple[str, float]] = deque(maxlen=capacity)  # (generation, seconds)
+        # (generation, seconds) since the last scrape; past ``capacity`` (a server nobody scrapes, ~4,000
+        # collections: minutes under load) the oldest are dropped rather than grow without bound
+        self._pending: deque[tuple[str, float]] = deque(maxlen=capacity)
         self._started: float | None = None
         self._users = 0
 
