@@ -411,7 +411,7 @@ def memory_suite(out: Path, quick: bool) -> dict[str, Any]:
                 while done < target:
                     clients = 8
                     per_client = max(1, min(500, target - done) // clients)
-                    records, _ = _count_requests(port, payloads, clients, per_client, done)
+                    records, _ = count_requests(port, payloads, clients, per_client, done)
                     for r in records:
                         statuses[r.status] = statuses.get(r.status, 0) + 1
                     done += len(records)
@@ -431,7 +431,7 @@ def _tests_conftest() -> Any:
     return module
 
 
-def _count_requests(
+def count_requests(
     port: int, payloads: list[bytes], clients: int, per_client: int, seed: int
 ) -> tuple[list[Record], float]:
     """A fixed number of requests (``clients`` x ``per_client``), through the load generator process."""

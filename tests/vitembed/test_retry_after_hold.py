@@ -6,6 +6,7 @@ bounds are generous for a VM whose speed drifts."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import socket
 import threading
@@ -29,8 +30,17 @@ REFUSAL = (
 )
 
 
+# what the gate notes for a request it lets through, as the real gate notes its lease (early_refusal.py)
+MARK: contextvars.ContextVar[str | None] = contextvars.ContextVar("test_mark", default=None)
+
+
 def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    return REFUSAL if dict(headers).get(b"x-refuse") == b"1" else None
+    fields = dict(headers)
+    if fields.get(b"x-refuse") == b"1":
+        return REFUSAL
+    if b"x-mark" in fields:
+        MARK.set(fields[b"x-mark"].decode())
+    return None
 
 
 async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,7 +55,10 @@ async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         if not message.get("more_body"):
             break
     refuse = (b"x-app-refuse", b"1") in scope["headers"]
-    body = json.dumps({"received": size}).encode()
+    reply: dict[str, object] = {"received": size}
+    if (b"x-echo-mark", b"1") in scope["headers"]:
+        reply["mark"] = MARK.get()  # what the request's task sees of the gate's context
+    body = json.dumps(reply).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if refuse:
         headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
@@ -290,3 +303,24 @@ def test_a_request_right_behind_a_refusal_outlives_the_stretched_keep_alive(shor
         sock.sendall(BODY[-10:])
         status, body = answer(sock)
         assert status == 200 and json.loads(body.partition(b"\r\n\r\n")[2]) == {"received": len(BODY)}
+
+
+def marked(sock: socket.socket, mark: str | None) -> object:
+    """A request that asks for the gate's mark as its task sees it; ``mark`` None: the gate sets none."""
+    head = f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 2\r\nx-echo-mark: 1\r\n"
+    sock.sendall((head + (f"x-mark: {mark}\r\n" if mark else "") + "\r\n{}").encode())
+    status, raw = answer(sock)
+    assert status == 200
+    return json.loads(raw.partition(b"\r\n\r\n")[2])["mark"]
+
+
+def test_what_the_gate_notes_reaches_that_requests_task_and_no_other(enforcing: int) -> None:
+    """The gate runs in the context the request's task is created in (the real gate's lease travels so):
+    the task sees what the gate noted, and neither the next request on the connection nor another
+    connection's request does."""
+    with connect(enforcing) as first, connect(enforcing) as second:
+        assert marked(first, "a") == "a"
+        assert marked(second, None) is None
+        assert marked(first, None) is None
+        assert marked(second, "b") == "b"
+        assert marked(first, "c") == "c"

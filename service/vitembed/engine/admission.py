@@ -333,6 +333,12 @@ class ModelLoad:
             control.held += images
             return Reservation(self, tokens, images, decision.predicted_wait_s, uncalibrated)
 
+    def holds_lease(self, lease: int) -> bool:
+        """Whether ``lease`` still holds its place (given out, neither traded nor lapsed)."""
+        with self._control.lock:
+            held = self._leases.get(lease)
+            return held is not None and held[0] > self._control.clock()
+
     def _leased(self, now: float) -> tuple[int, float]:
         """Images held by unexpired leases, and their predicted seconds (caller holds the lock)."""
         for lease in [lease for lease, (expires, _, _) in self._leases.items() if expires <= now]:

@@ -314,9 +314,14 @@ class Engine:
     def refuse_early(self, model: str, deadline: float, *, lease: bool = False) -> None:
         """Before a body is read: refuse at once (``QueueFullError``) if not even one image of ``model`` at
         its default options could be admitted now. Nothing is reserved; the full check follows the parse.
-        With ``lease`` (called in the request's own task) a request that passes holds a place until that
-        check, for at most ``admission.LEASE_S``."""
+        With ``lease`` (called in the request's own task, or in the context that task will be created in:
+        the request-head gate's) a request that passes holds a place until that check, for at most
+        ``admission.LEASE_S``. A context that already holds a live lease on ``model`` was checked by the gate
+        on its head: it is not checked again, so one request never holds two places."""
         served = self._get(model)
+        held = _LEASE.get()
+        if lease and held is not None and held[0] == served.name and served.load.holds_lease(held[1]):
+            return
         tokens = served.expected_tokens(served.backbone.check_policy(None), None)
         try:
             checked = served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False, lease=lease)

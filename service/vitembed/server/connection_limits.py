@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -218,9 +219,15 @@ def header_timeout_protocol(
         def on_headers_complete(self) -> None:
             self._disarm_head_timer()
             self._head_begun = False
-            if gate is not None and self._answered_on_head():
+            if gate is None:
+                super().on_headers_complete()
                 return
-            super().on_headers_complete()
+            # the gate and the request's task share one copied context: a place the gate leases for this
+            # request (a context variable) reaches the task created below, and no other request's
+            context = contextvars.copy_context()
+            if context.run(self._answered_on_head):
+                return
+            context.run(super().on_headers_complete)
 
         def _answered_on_head(self) -> bool:
             assert gate is not None

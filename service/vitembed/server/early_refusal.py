@@ -9,7 +9,12 @@ writes the same 429 the app would (error body, ``Retry-After``, ``X-Request-ID``
 
 Only the embedding routes are gated, only when the model is known from the head (the query's ``model`` or
 the only one served), and never for a request the app would refuse first (no or wrong API key, invalid
-``X-Request-Timeout``): those go to the app, which answers them exactly as before. A caller with quotas
+``X-Request-Timeout``): those go to the app, which answers them exactly as before. A request let through
+holds a place while its body is read (a lease, ``Engine.refuse_early``): the protocol calls the gate in the
+context that the request's task is then created in, so the task inherits the lease, and its own checks
+neither check again nor take a second place. Without that, a storm of heads arriving before any request
+task has run all passed the gate (the queue still looked empty) and were refused one by one by the app,
+after the whole ASGI stack, at ~2 ms of the event loop each. A caller with quotas
 (``quotas.py``) that could not send even one image now gets the app's 429 ``quota_exceeded`` here, checked
 in the app's order: the caller's quota before the server's admission.
 """
@@ -70,7 +75,7 @@ class AdmissionGate:
                 self.metrics.requests.labels(path, "429").inc()
                 return over.raw_response(_request_id(fields.get(b"x-request-id")))
         try:
-            engine.refuse_early(model, time.monotonic() + budget)
+            engine.refuse_early(model, time.monotonic() + budget, lease=True)
         except QueueFullError as refused:
             self.metrics.requests.labels(path, "429").inc()
             return _response(refused, fields.get(b"x-request-id"))
