@@ -1,12 +1,11 @@
 """The admission gate on the request head (``early_refusal.AdmissionGate``): with a real engine whose
 queue is full, it writes the app's own 429 (code, message, Retry-After, request id); every request the app
 must judge first (another route, no or wrong key, a bad ``X-Request-Timeout``, another model) goes on. A
-request it lets through holds a place (a lease) in the context its task inherits."""
+request it lets through holds a place (a lease) that the gate hands to it in its scope."""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import io
 import json
 import time
@@ -16,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from vitembed.engine.admission import QueueFullError
 from vitembed.engine.engine import EmbedOptions, Engine, RequestTicket
 from vitembed.metrics import Metrics
-from vitembed.server.early_refusal import AdmissionGate
+from vitembed.server.early_refusal import LEASE_SCOPE_KEY, AdmissionGate
 from vitembed.settings import ServiceSettings
 
 TOKENS = 17  # the tiny DINOv2 at its defaults
@@ -95,38 +93,50 @@ def jpeg(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def test_heads_let_through_hold_their_places_in_the_context_their_tasks_inherit(tiny_path: Path) -> None:
-    """Three places (``queue_size``): three heads pass, each leasing one in its own context (the protocol
-    creates the request's task in it), so the fourth is refused on its head, before any task has run (a
-    storm of heads used to pass the gate all together, to be refused one by one by the app). The task's
-    own early check neither checks again nor takes a second place, and its admission trades the lease."""
+async def checked_again(engine: Engine, lease: int) -> None:
+    engine.refuse_early("tiny", time.monotonic() + 30, lease=True, held=lease)
+
+
+def test_heads_let_through_hold_their_places_until_their_requests_take_them_over(tiny_path: Path) -> None:
+    """Three places (``queue_size``): three heads pass, each leasing one that the gate hands to its request
+    (scope entries), so the fourth is refused on its head before any request task has run (a storm of heads
+    used to pass the gate all together, to be refused one by one by the app). A request's own early check
+    takes its place over (no second one), its admission trades it, and a request that ends without
+    admission (a 413, a 422, a lost connection) gives it back at once."""
     settings = ServiceSettings(
         models={"tiny": str(tiny_path)}, precision="float32", queue_size=3, max_images_per_request=1
     )
     engine = Engine(settings, Metrics())
     engine.start()
+    load = engine.load("tiny")
     try:
-        load = engine.load("tiny")
         gate = gate_for(engine)
-        contexts = [contextvars.copy_context() for _ in range(4)]
-        answers = [context.run(gate, "/v1/embed", b"", []) for context in contexts]
-        assert answers[:3] == [None, None, None]
-        assert answers[3] is not None and b'"code":"queue_full"' in answers[3]
-        assert len(load._leases) == 3
-        deadline = time.monotonic() + 30
-        contexts[0].run(engine.refuse_early, "tiny", deadline, lease=True)  # the task's own check
-        assert len(load._leases) == 3
-        with pytest.raises(QueueFullError):  # a request the gate did not see is checked, and refused
-            contextvars.copy_context().run(engine.refuse_early, "tiny", deadline, lease=True)
+        answers = [gate("/v1/embed", b"", []) for _ in range(4)]
+        assert isinstance(answers[3], bytes) and b'"code":"queue_full"' in answers[3]
+        held = [answer[LEASE_SCOPE_KEY] for answer in answers[:3] if isinstance(answer, dict)]
+        assert len(held) == 3 and {model for model, _ in held} == {"tiny"}
+        assert sorted(load._leases) == sorted(lease for _, lease in held)
+        # a body over the limit: the app answers 413 first, so the gate neither refuses nor leases
+        too_big = [(b"content-length", str(settings.max_body_bytes + 1).encode())]
+        assert gate("/v1/embed", b"", too_big) is None and len(load._leases) == 3
 
-        async def admitted() -> int:
+        async def request(lease: int) -> int:
             end = time.monotonic() + 30
-            ticket = RequestTicket(end, 30.0)
-            await engine.embed("tiny", [jpeg(0)], EmbedOptions(), ticket=ticket, deadline=end)
-            return len(load._leases)
+            engine.refuse_early("tiny", end, lease=True, held=lease)  # the app's check: takes it over
+            taken_over = len(load._leases)
+            await engine.embed(
+                "tiny", [jpeg(0)], EmbedOptions(), ticket=RequestTicket(end, 30.0), deadline=end
+            )
+            return taken_over
 
-        assert contexts[0].run(asyncio.run, admitted()) == 2  # its lease traded, the other two kept
-        assert load._control.held == 0  # and its reservation released once served
+        assert asyncio.run(request(held[0][1])) == 3  # no second place while its body was read
+        assert held[0][1] not in load._leases and load._control.held == 0  # traded, then served
+        gate.request_done({LEASE_SCOPE_KEY: held[0]})  # already traded: nothing to give back
+        gate.request_done({LEASE_SCOPE_KEY: held[1]})  # ended without admission
+        assert held[1][1] not in load._leases
+        before = len(load._leases)  # a place given back is not taken over: the request is checked again
+        asyncio.run(checked_again(engine, held[1][1]))
+        assert len(load._leases) == before + 1
     finally:
         load._leases.clear()
         engine.stop()

@@ -6,12 +6,11 @@ bounds are generous for a VM whose speed drifts."""
 
 from __future__ import annotations
 
-import contextvars
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import uvicorn
@@ -30,17 +29,21 @@ REFUSAL = (
 )
 
 
-# what the gate notes for a request it lets through, as the real gate notes its lease (early_refusal.py)
-MARK: contextvars.ContextVar[str | None] = contextvars.ContextVar("test_mark", default=None)
+MARK_KEY = "test.mark"  # what the gate hands to a request it lets through, as the real gate hands its lease
+DONE: list[str] = []  # marks of the requests the protocol reported done (gate_done)
 
 
-def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | dict[str, object] | None:
     fields = dict(headers)
     if fields.get(b"x-refuse") == b"1":
         return REFUSAL
     if b"x-mark" in fields:
-        MARK.set(fields[b"x-mark"].decode())
+        return {MARK_KEY: fields[b"x-mark"].decode()}
     return None
+
+
+def gate_done(scope: dict[str, object]) -> None:
+    DONE.append(str(scope[MARK_KEY]))
 
 
 async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,7 +60,7 @@ async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     refuse = (b"x-app-refuse", b"1") in scope["headers"]
     reply: dict[str, object] = {"received": size}
     if (b"x-echo-mark", b"1") in scope["headers"]:
-        reply["mark"] = MARK.get()  # what the request's task sees of the gate's context
+        reply["mark"] = scope.get(MARK_KEY)  # what the request sees of the gate's entries
     body = json.dumps(reply).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if refuse:
@@ -70,7 +73,7 @@ app = RequestContextMiddleware(endpoint, metrics=Metrics())  # notes a 429's Ret
 
 
 def serve(enforce: bool, keep_alive_s: int = 5) -> Iterator[int]:
-    protocol = header_timeout_protocol(10.0, gate=gate, enforce_retry_after=enforce)
+    protocol = header_timeout_protocol(10.0, gate=gate, enforce_retry_after=enforce, gate_done=gate_done)
     assert protocol is not None, "httptools is a dependency of the service extra"
     with socket.socket() as probe:
         probe.bind((HOST, 0))
@@ -306,7 +309,7 @@ def test_a_request_right_behind_a_refusal_outlives_the_stretched_keep_alive(shor
 
 
 def marked(sock: socket.socket, mark: str | None) -> object:
-    """A request that asks for the gate's mark as its task sees it; ``mark`` None: the gate sets none."""
+    """A request that asks for the gate's mark as its scope holds it; ``mark`` None: the gate gives none."""
     head = f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 2\r\nx-echo-mark: 1\r\n"
     sock.sendall((head + (f"x-mark: {mark}\r\n" if mark else "") + "\r\n{}").encode())
     status, raw = answer(sock)
@@ -314,13 +317,30 @@ def marked(sock: socket.socket, mark: str | None) -> object:
     return json.loads(raw.partition(b"\r\n\r\n")[2])["mark"]
 
 
-def test_what_the_gate_notes_reaches_that_requests_task_and_no_other(enforcing: int) -> None:
-    """The gate runs in the context the request's task is created in (the real gate's lease travels so):
-    the task sees what the gate noted, and neither the next request on the connection nor another
-    connection's request does."""
+def until(condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_what_the_gate_hands_a_request_reaches_it_and_no_other_and_comes_back_when_it_ends(
+    enforcing: int,
+) -> None:
+    """The gate's entries go into that request's scope (the real gate's lease travels so), not into the
+    next request on the connection nor another connection's; the protocol hands them back once the answer
+    is sent, or when the connection is lost before it (the real gate then frees a place never traded)."""
+    DONE.clear()
     with connect(enforcing) as first, connect(enforcing) as second:
         assert marked(first, "a") == "a"
         assert marked(second, None) is None
         assert marked(first, None) is None
         assert marked(second, "b") == "b"
         assert marked(first, "c") == "c"
+        assert until(lambda: sorted(DONE) == ["a", "b", "c"])
+    with connect(enforcing) as lost:  # the head, then the connection goes before the body
+        lost.sendall(
+            f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 10\r\nx-mark: d\r\n\r\n".encode()
+        )
+        time.sleep(0.2)
+    assert until(lambda: sorted(DONE) == ["a", "b", "c", "d"])

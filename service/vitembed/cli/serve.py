@@ -211,6 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings.header_timeout_s,
         gate=app.state.admission_gate,
         enforce_retry_after=settings.enforce_retry_after,
+        gate_done=app.state.admission_gate.request_done,
     )
     try:
         uvicorn.run(

@@ -339,6 +339,11 @@ class ModelLoad:
             held = self._leases.get(lease)
             return held is not None and held[0] > self._control.clock()
 
+    def drop_lease(self, lease: int) -> None:
+        """Give ``lease``'s place back now (nothing if it was traded or has lapsed)."""
+        with self._control.lock:
+            self._leases.pop(lease, None)
+
     def _leased(self, now: float) -> tuple[int, float]:
         """Images held by unexpired leases, and their predicted seconds (caller holds the lock)."""
         for lease in [lease for lease, (expires, _, _) in self._leases.items() if expires <= now]:

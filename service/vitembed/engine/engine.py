@@ -58,7 +58,8 @@ from vitembed.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 # the place a request's early check holds while its body is read (Engine.refuse_early), per request task:
-# (model, lease id), given back by that request's full admission check
+# (model, lease id), traded by that request's full admission check (the gate's, taken on the request head,
+# reaches the task through the request's scope and refuse_early(held=...))
 _LEASE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
     "vitembed_lease", default=None
 )
@@ -311,25 +312,41 @@ class Engine:
         self.metrics.admission_calibration.labels(served.name).set(served.load.calibration.factor)
         return list(rows)
 
-    def refuse_early(self, model: str, deadline: float, *, lease: bool = False) -> None:
+    def refuse_early(
+        self, model: str, deadline: float, *, lease: bool = False, held: int | None = None
+    ) -> None:
         """Before a body is read: refuse at once (``QueueFullError``) if not even one image of ``model`` at
         its default options could be admitted now. Nothing is reserved; the full check follows the parse.
-        With ``lease`` (called in the request's own task, or in the context that task will be created in:
-        the request-head gate's) a request that passes holds a place until that check, for at most
-        ``admission.LEASE_S``. A context that already holds a live lease on ``model`` was checked by the gate
-        on its head: it is not checked again, so one request never holds two places."""
+        With ``lease`` (called in the request's own task) a request that passes holds a place until that
+        check, for at most ``admission.LEASE_S``. ``held``: the place the request-head gate already leased
+        for this request (``lease_on_head``); while it is live the request takes it over instead of being
+        checked again, so one request never holds two places."""
         served = self._get(model)
-        held = _LEASE.get()
-        if lease and held is not None and held[0] == served.name and served.load.holds_lease(held[1]):
+        if held is not None and served.load.holds_lease(held):
+            _LEASE.set((served.name, held))
             return
+        taken = self._check_early(served, deadline, lease)
+        if taken is not None:
+            _LEASE.set((served.name, taken))
+
+    def lease_on_head(self, model: str, deadline: float) -> int | None:
+        """``refuse_early`` for the request-head gate, which runs in the connection's protocol, outside any
+        request's task: a request that passes holds a place, whose id the gate hands to the request (its
+        scope) for ``refuse_early(held=...)``, or gives back with ``drop_lease`` if it ends without one."""
+        return self._check_early(self._get(model), deadline, lease=True)
+
+    def drop_lease(self, model: str, lease: int) -> None:
+        """Give back a place the gate leased, unless the request's admission already traded it."""
+        self._get(model).load.drop_lease(lease)
+
+    def _check_early(self, served: ServedModel, deadline: float, lease: bool) -> int | None:
         tokens = served.expected_tokens(served.backbone.check_policy(None), None)
         try:
             checked = served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False, lease=lease)
         except QueueFullError as refused:
             self._count_refusal(served, refused, "head")
             raise
-        if checked.lease is not None:
-            _LEASE.set((served.name, checked.lease))
+        return checked.lease
 
     def _count_refusal(self, served: ServedModel, refused: QueueFullError, stage: str) -> None:
         self.metrics.rejected.labels(refused.reason, stage).inc()

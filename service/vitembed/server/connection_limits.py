@@ -20,12 +20,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -104,7 +103,8 @@ class BodyTimeoutMiddleware:
         await self.app(scope, timed_receive, send)
 
 
-Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | None]
+# (path, query, headers) -> a refusal to send, or None / entries for the request's scope to let it through
+Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | dict[str, Any] | None]
 
 
 MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
@@ -122,7 +122,11 @@ def retry_after_of(response: bytes) -> float:
 
 
 def header_timeout_protocol(
-    header_timeout_s: float, gate: Gate | None = None, *, enforce_retry_after: bool = False
+    header_timeout_s: float,
+    gate: Gate | None = None,
+    *,
+    enforce_retry_after: bool = False,
+    gate_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> type[Any] | None:
     """uvicorn's httptools protocol with a deadline on the request head and, with ``gate``, refusals
     answered on the request head (``early_refusal.AdmissionGate``); None without httptools.
@@ -134,7 +138,11 @@ def header_timeout_protocol(
     refusal on the head is sent at once; a client that retries at once can then start its next request in
     the same read as the rest of the refused body, so reads are split where that body ends (its
     ``Content-Length``) and what follows is held like any early request. A chunked body has no length to
-    split at: its refusal is sent once the body is in (at most ``ANSWER_WAIT_S`` later)."""
+    split at: its refusal is sent once the body is in (at most ``ANSWER_WAIT_S`` later).
+
+    A gate that lets a request through may return entries for its scope (the place it holds for it);
+    ``gate_done`` is then called with that scope once the request's answer is sent or its connection is
+    lost (a pipelined request is not gated)."""
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -154,6 +162,12 @@ def header_timeout_protocol(
         _answer_timer: asyncio.TimerHandle | None = None
         _body_left: int | None = None  # bytes of a refused request's body still to come (Content-Length)
         _told_until: float = 0.0  # loop time the last Retry-After on this connection named
+        _gated_scope: dict[str, Any] | None = None  # the request the gate let through with scope entries
+
+        def _gated_request_done(self) -> None:
+            scope, self._gated_scope = self._gated_scope, None
+            if scope is not None and gate_done is not None:
+                gate_done(scope)
 
         def _note_retry_after(self, seconds: float) -> None:
             self._told_until = self.loop.time() + min(MAX_HOLD_S, seconds)
@@ -219,15 +233,9 @@ def header_timeout_protocol(
         def on_headers_complete(self) -> None:
             self._disarm_head_timer()
             self._head_begun = False
-            if gate is None:
-                super().on_headers_complete()
+            if gate is not None and self._answered_on_head():
                 return
-            # the gate and the request's task share one copied context: a place the gate leases for this
-            # request (a context variable) reaches the task created below, and no other request's
-            context = contextvars.copy_context()
-            if context.run(self._answered_on_head):
-                return
-            context.run(super().on_headers_complete)
+            super().on_headers_complete()
 
         def _answered_on_head(self) -> bool:
             assert gate is not None
@@ -238,6 +246,11 @@ def header_timeout_protocol(
             parsed = httptools.parse_url(self.url)
             answer = gate(parsed.path.decode("latin-1"), parsed.query or b"", self.headers)
             if answer is None:
+                return False
+            if isinstance(answer, dict):  # let through, with what the gate holds for this request
+                scope = cast(dict[str, Any], self.scope)  # uvicorn's HTTPScope: our own keys too
+                scope.update(answer)
+                self._gated_scope = scope
                 return False
             self._discarding = True
             self._close_after = self.expect_100_continue or not self.parser.should_keep_alive()
@@ -314,6 +327,7 @@ def header_timeout_protocol(
                 if enforce_retry_after:
                     self._retry_at = self._told_until
             super().on_response_complete()
+            self._gated_request_done()
             if self.timeout_keep_alive_task is not None:  # armed by uvicorn: count it from the Retry-After
                 self._arm_keep_alive()
 
@@ -327,6 +341,7 @@ def header_timeout_protocol(
                 self._answer_timer = None
             self._held = None
             self._pending_answer = None
+            self._gated_request_done()
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:

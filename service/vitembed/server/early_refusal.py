@@ -9,14 +9,16 @@ writes the same 429 the app would (error body, ``Retry-After``, ``X-Request-ID``
 
 Only the embedding routes are gated, only when the model is known from the head (the query's ``model`` or
 the only one served), and never for a request the app would refuse first (no or wrong API key, invalid
-``X-Request-Timeout``): those go to the app, which answers them exactly as before. A request let through
-holds a place while its body is read (a lease, ``Engine.refuse_early``): the protocol calls the gate in the
-context that the request's task is then created in, so the task inherits the lease, and its own checks
-neither check again nor take a second place. Without that, a storm of heads arriving before any request
-task has run all passed the gate (the queue still looked empty) and were refused one by one by the app,
-after the whole ASGI stack, at ~2 ms of the event loop each. A caller with quotas
-(``quotas.py``) that could not send even one image now gets the app's 429 ``quota_exceeded`` here, checked
-in the app's order: the caller's quota before the server's admission.
+``X-Request-Timeout``, a declared body over the limit): those go to the app, which answers them exactly as
+before. A request let through holds a place while its body is read (a lease, ``Engine.lease_on_head``),
+handed to the request in its scope (``LEASE_SCOPE_KEY``): the app's own early check takes it over instead
+of checking again, its admission trades it, and the protocol calls ``request_done`` when the request ends,
+which gives back a place never traded (a 413, a 422, a lost connection). Without the lease, a storm of
+heads arriving before any request task had run all passed the gate (the queue still looked empty) and was
+refused one by one by the app, after the whole ASGI stack, at ~2 ms of the event loop each.
+
+A caller with quotas (``quotas.py``) that could not send even one image now gets the app's 429
+``quota_exceeded`` here, checked in the app's order: the caller's quota before the server's admission.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import parse_qs
 
 from vitembed.callers import Caller
@@ -38,6 +41,8 @@ from vitembed.settings import ServiceSettings
 
 GATED_PATHS = ("/v1/embed", "/v1/embeddings")
 _TIMEOUT = TIMEOUT_HEADER.lower().encode()
+# the request's scope: (model, lease id) of the place the gate holds for it (plumbing.refuse_early)
+LEASE_SCOPE_KEY = "vitembed.head_lease"
 
 
 class AdmissionGate:
@@ -47,8 +52,11 @@ class AdmissionGate:
         self.quotas = quotas
         self.engine: Engine | None = None  # set by the app's lifespan once the models are ready
 
-    def __call__(self, path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-        """The whole HTTP response refusing this request, or None to let the app handle it."""
+    def __call__(
+        self, path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> bytes | dict[str, Any] | None:
+        """The whole HTTP response refusing this request; or, to let the app handle it, None or entries for
+        the request's scope (the place it holds)."""
         engine = self.engine
         if path not in GATED_PATHS or engine is None or not engine.ready:
             return None
@@ -65,6 +73,8 @@ class AdmissionGate:
                 return None
             if not math.isfinite(budget) or budget <= 0:
                 return None
+        if _declared_length(fields.get(b"content-length")) > self.settings.max_body_bytes:
+            return None  # the app answers 413
         model = self._model(path, query)
         if model is None or model not in engine.model_names:
             return None
@@ -75,11 +85,17 @@ class AdmissionGate:
                 self.metrics.requests.labels(path, "429").inc()
                 return over.raw_response(_request_id(fields.get(b"x-request-id")))
         try:
-            engine.refuse_early(model, time.monotonic() + budget, lease=True)
+            lease = engine.lease_on_head(model, time.monotonic() + budget)
         except QueueFullError as refused:
             self.metrics.requests.labels(path, "429").inc()
             return _response(refused, fields.get(b"x-request-id"))
-        return None
+        return None if lease is None else {LEASE_SCOPE_KEY: (model, lease)}
+
+    def request_done(self, scope: dict[str, Any]) -> None:
+        """The request's answer is sent or its connection lost: a place it never traded is free again."""
+        held = scope.get(LEASE_SCOPE_KEY)
+        if held is not None and self.engine is not None:
+            self.engine.drop_lease(*held)
 
     def _caller(self, header: bytes | None) -> tuple[bool, Caller | None]:
         """(authorised, the caller): (True, None) when the server has no keys."""
@@ -94,7 +110,7 @@ class AdmissionGate:
     def _model(self, path: str, query: bytes) -> str | None:
         named = parse_qs(query.decode("latin-1")).get("model") if path == "/v1/embed" and query else None
         if named:
-            return named[0]
+            return named[-1]  # as the app reads a repeated parameter
         return next(iter(self.settings.models)) if len(self.settings.models) == 1 else None
 
 
@@ -110,6 +126,13 @@ def _response(refused: QueueFullError, incoming_id: bytes | None) -> bytes:
         f"content-length: {len(body)}\r\nretry-after: {seconds}\r\nx-request-id: {rid}\r\n\r\n"
     )
     return head.encode("latin-1") + body
+
+
+def _declared_length(value: bytes | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0  # the server answers a malformed length itself
 
 
 def _request_id(incoming_id: bytes | None) -> str:

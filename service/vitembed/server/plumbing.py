@@ -23,6 +23,7 @@ from vitembed.engine.engine import (
 )
 from vitembed.metrics import Metrics
 from vitembed.server.deadlines import budget_s
+from vitembed.server.early_refusal import LEASE_SCOPE_KEY
 from vitembed.server.errors import CLIENT_CLOSED, ApiError
 from vitembed.server.quotas import check_quota
 from vitembed.server.schemas import ErrorResponse
@@ -121,12 +122,15 @@ def refuse_early(
 ) -> None:
     """429 before the body is read when not even one image could be admitted now: first the caller's quota
     (``quotas.py``), then the server's admission for the model named in the query, or the only one served
-    (a model named in the body is checked after the parse). The request-head gate checks the same."""
+    (a model named in the body is checked after the parse). The request-head gate checks the same: a place
+    it already leased for this request (in the scope) is taken over, not checked again."""
     check_quota(request)
     if model is None and len(settings.models) == 1:
         model = next(iter(settings.models))
     if model is not None and model in engine.model_names:
-        engine.refuse_early(model, deadline, lease=True)
+        held = request.scope.get(LEASE_SCOPE_KEY)
+        lease = held[1] if held is not None and held[0] == model else None
+        engine.refuse_early(model, deadline, lease=True, held=lease)
 
 
 async def run_engine(
