@@ -16,10 +16,19 @@ the others are distractors, each whole and as its two non-overlapping halves. Re
 
 Feature variants (one forward each, every candidate block from it, cached on disk under ``--cache``):
 ``pad`` (letterbox masked: pooling weights, attention, positions), ``pad_unmasked`` (the same pixels with
-every patch treated as image: the old ``pad``, up to its half-patch centring), ``squash`` and ``crop``.
+every patch treated as image: the old ``pad``, up to its half-patch centring), ``squash``, ``crop``,
+``trim_squash``...; ``POLICY@N`` prepares into an N x N box instead of the set's (``trim_squash@98``).
+``--mirror`` runs each variant's mirror image too and adds ``POOLING_hflip@BLOCK`` (the mean of the two
+L2-normalised features: what the library's ``*_hflip`` poolings compute).
+
+``--presets default-v2,default-v3`` embeds through the product path itself (``Backbone.embed(images,
+preset=...)``: its decode, draft JPEG decoding, policy, box and pooling), so the default's row is the
+default as users get it, not a reconstruction. The dedup threshold curve and the row at the preset's
+calibrated threshold are reported for the presets.
 Measuring (``measure``) is separate from writing the report (``write_report``).
 
-    python bench/copy_detection.py [--quick] [--variants pad,pad_unmasked,squash] [--set v2 --photos-root /]
+    python bench/copy_detection.py [--quick] [--variants pad,trim_squash@98] [--mirror]
+        [--presets default-v2,default-v3] [--fashion-variants ...] [--set v2 --photos-root /]
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from copy_report import write_report
 from quality import cut_tiles, load_photos, photo_scale
 
 from vit_backbone import Backbone, load_backbone
-from vit_backbone.catalog.dedup import DEFAULT_THRESHOLD
+from vit_backbone.catalog.dedup import DEFAULT_THRESHOLD, PRESET_THRESHOLDS
 from vit_backbone.preprocess import stack, stack_valid
 from vit_backbone.retrieval import cosine_scores, per_query_metrics, relevance_ranking, summarize
 
@@ -213,14 +222,28 @@ def query_widths(data: CopySet) -> dict[str, dict[str, float]]:
     return out
 
 
+def split_variant(variant: str, box: tuple[int, int]) -> tuple[str, tuple[int, int]]:
+    """``trim_squash@98`` -> (``trim_squash``, (98, 98)); a bare policy keeps the set's box."""
+    policy, _, side = variant.partition("@")
+    return policy, (box if not side else (int(side), int(side)))
+
+
 def extract(
-    bb: Backbone, items: Sequence[Image.Image | bytes], variant: str, box: tuple[int, int], batch: int
+    bb: Backbone,
+    items: Sequence[Image.Image | bytes],
+    variant: str,
+    box: tuple[int, int],
+    batch: int,
+    *,
+    mirror: bool = False,
 ) -> dict[str, np.ndarray]:
     """Every (pooling, block) feature of every item from one forward per image (stopping at max(BLOCKS)).
 
-    ``variant`` is a resize policy (``pad``, ``squash``, ``crop``, ``dynamic``, ``trim_pad``...) or
-    ``pad_unmasked`` (pad's pixels with every patch treated as image). ``dynamic`` items run grouped by grid.
+    ``variant`` is a resize policy (``pad``, ``squash``, ``crop``, ``dynamic``, ``trim_pad``...), optionally
+    ``@N`` for an N x N box, or ``pad_unmasked`` (pad's pixels with every patch treated as image).
+    ``dynamic`` items run grouped by grid. ``mirror``: the features of the mirror images.
     """
+    variant, box = split_variant(variant, box)
     policy = "pad" if variant == "pad_unmasked" else variant
     rows: dict[str, list[tuple[int, np.ndarray]]] = {}
     started = time.perf_counter()
@@ -233,6 +256,9 @@ def extract(
             chosen = [prepared[i] for i in indices]
             pixels, _ = stack(chosen)  # [b, 3, H, W]
             valid = None if variant == "pad_unmasked" else stack_valid(chosen)  # [b, h, w] or None
+            if mirror:
+                pixels = pixels.flip(-1)  # [b, 3, H, W]
+                valid = None if valid is None else valid.flip(-1)  # [b, h, w]
             tokens = bb.layer_features(pixels, list(BLOCKS), valid=valid)
             for block in BLOCKS:
                 for pooling in POOLINGS:
@@ -245,6 +271,36 @@ def extract(
             rate = done / (time.perf_counter() - started)
             print(f"  {variant}: {done}/{len(items)} ({rate:.1f} img/s)", file=sys.stderr, flush=True)
     return {k: np.stack([row for _, row in sorted(v, key=lambda r: r[0])]) for k, v in rows.items()}
+
+
+def with_mirrored(feats: dict[str, np.ndarray], mirrored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feats`` plus ``POOLING_hflip@BLOCK``: the mean of each image's and its mirror's unit features."""
+    out = dict(feats)
+    for key, x in feats.items():
+        pooling, block = key.split("@")
+        out[f"{pooling}_hflip@{block}"] = (_unit(x) + _unit(mirrored[key])) / 2
+    return out
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def embed_preset(
+    bb: Backbone, items: Sequence[Image.Image | bytes], preset: str, batch: int
+) -> dict[str, np.ndarray]:
+    """The product path: ``Backbone.embed(items, preset=preset)`` with nothing else given."""
+    rows = []
+    started = time.perf_counter()
+    for start in range(0, len(items), batch * 8):
+        rows.append(bb.embed(list(items[start : start + batch * 8]), preset=preset, batch_size=batch))
+        done = start + len(rows[-1])
+        print(
+            f"  {preset}: {done}/{len(items)} ({done / (time.perf_counter() - started):.1f} img/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {"preset": np.concatenate(rows)}
 
 
 def _pool(tokens: Any, pooling: str) -> torch.Tensor:
@@ -272,14 +328,14 @@ def score(x: np.ndarray, data: CopySet) -> dict[str, Any]:
     return result
 
 
-def pair_curve(x: np.ndarray, data: CopySet) -> list[dict[str, float]]:
+def pair_curve(x: np.ndarray, data: CopySet, threshold: float = DEFAULT_THRESHOLD) -> list[dict[str, float]]:
     """Query–gallery pairs above a cosine threshold: precision and recall of 'is a copy' per threshold."""
     g = data.gallery
     xn = x / np.linalg.norm(x, axis=1, keepdims=True)
     sims = xn[g:] @ xn[:g].T  # [Q, G]
     same = data.labels[g:, None] == data.labels[None, :g]  # [Q, G]
     curve = []
-    for t in sorted({*np.round(np.arange(0.50, 0.96, 0.025), 3).tolist(), DEFAULT_THRESHOLD}):
+    for t in sorted({*np.round(np.arange(0.50, 0.96, 0.025), 3).tolist(), threshold}):
         above = sims >= t
         tp = int((above & same).sum())
         curve.append(
@@ -348,28 +404,63 @@ def measure(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
             timings,
             variant,
         )
+        if args.mirror:
+            mirrored = _cached(
+                args.cache / f"{prefix}{variant}-mirror.npz",
+                lambda v=variant: extract(bb, data.items, v, box, args.batch_size, mirror=True),
+                timings,
+                f"{variant} mirror",
+            )
+            feats = with_mirrored(feats, mirrored)
         results["variants"][variant] = {key: score(x, data) for key, x in feats.items()}
-        results.setdefault("curves", {})[f"{variant}:mean@8"] = pair_curve(feats["mean@8"], data)
-        results.setdefault("at_default_threshold", {})[f"{variant}:mean@8"] = at_threshold(
-            feats["mean@8"], data, DEFAULT_THRESHOLD
+    for preset in [p for p in args.presets.split(",") if p]:
+        feats = _cached(
+            args.cache / f"{prefix}preset-{preset}.npz",
+            lambda p=preset: embed_preset(bb, data.items, p, args.batch_size),
+            timings,
+            f"preset {preset}",
         )
-    if args.fashion_variants:
+        results.setdefault("presets", {})[preset] = score(feats["preset"], data)
+        threshold = PRESET_THRESHOLDS.get(preset, DEFAULT_THRESHOLD)
+        results.setdefault("curves", {})[preset] = pair_curve(feats["preset"], data, threshold)
+        results.setdefault("at_default_threshold", {})[preset] = at_threshold(
+            feats["preset"], data, threshold
+        )
+    if args.fashion_variants or args.presets:
         from quality import load_fashion
 
         g, q = (40, 60) if args.quick else (args.fashion_gallery, args.fashion_queries)
         fashion = load_fashion(g, q, 0)
         images = fashion.pil()
         results["fashion"] = {"gallery": g, "queries": q, "seed": 0, "variants": {}}
-        for variant in args.fashion_variants.split(","):
+        for variant in [v for v in args.fashion_variants.split(",") if v]:
             feats = _cached(
                 args.cache / f"{prefix}fashion-{g}-{q}-{variant}.npz",
                 lambda v=variant: extract(bb, images, v, box, args.batch_size),
                 timings,
                 f"fashion {variant}",
             )
+            if args.mirror:
+                mirrored = _cached(
+                    args.cache / f"{prefix}fashion-{g}-{q}-{variant}-mirror.npz",
+                    lambda v=variant: extract(bb, images, v, box, args.batch_size, mirror=True),
+                    timings,
+                    f"fashion {variant} mirror",
+                )
+                feats = with_mirrored(feats, mirrored)
             results["fashion"]["variants"][variant] = {
                 key: fashion_scores(x, fashion.labels, g) for key, x in feats.items()
             }
+        for preset in [p for p in args.presets.split(",") if p]:
+            feats = _cached(
+                args.cache / f"{prefix}fashion-{g}-{q}-preset-{preset}.npz",
+                lambda p=preset: embed_preset(bb, images, p, args.batch_size),
+                timings,
+                f"fashion preset {preset}",
+            )
+            results["fashion"].setdefault("presets", {})[preset] = fashion_scores(
+                feats["preset"], fashion.labels, g
+            )
     results["candidates"] = candidates(results)
     return results
 
@@ -378,6 +469,7 @@ def candidates(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every (variant, feature) measured on both sets, best copy R@1 first, with the issue's bar checked:
     copy R@1 >= 0.95, no transform row < 0.85, Fashion-MNIST R@1 >= 0.712 (the old default's)."""
     fashion = results.get("fashion", {}).get("variants", {})
+    fashion_presets = results.get("fashion", {}).get("presets", {})
     rows = []
     for variant, by_key in results["variants"].items():
         for key, s in by_key.items():
@@ -395,12 +487,29 @@ def candidates(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "meets": bool(s["r1"] >= 0.95 and worst >= 0.85 and f is not None and f["r1"] >= 0.712),
                 }
             )
+    for preset, s in results.get("presets", {}).items():
+        f = fashion_presets.get(preset)
+        worst = min(t["r1"] for t in s["by_transform"].values())
+        rows.append(
+            {
+                "variant": f"preset {preset}",
+                "feature": "Backbone.embed",
+                "r1": s["r1"],
+                "map": s["map"],
+                "worst_row": worst,
+                "fashion_r1": None if f is None else f["r1"],
+                "fashion_map": None if f is None else f["map"],
+                "meets": bool(s["r1"] >= 0.95 and worst >= 0.85 and f is not None and f["r1"] >= 0.712),
+            }
+        )
     return sorted(rows, key=lambda r: (-r["meets"], -r["r1"], -r["map"]))
 
 
 def _square_alias(variant: str) -> str:
     """Fashion-MNIST images are square: pad and squash give them the same pixels."""
-    return {"squash": "pad", "pad": "squash"}.get(variant, variant)
+    policy, _, side = variant.partition("@")
+    alias = {"squash": "pad", "pad": "squash"}.get(policy, policy)
+    return alias + (f"@{side}" if side else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -410,6 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few dozen images: checks the bench runs")
     parser.add_argument("--variants", help="default pad,pad_unmasked,squash (quick: pad)")
     parser.add_argument("--fashion-variants", default="", help="policies to run on Fashion-MNIST too")
+    parser.add_argument("--mirror", action="store_true", help="also the mirror images: POOLING_hflip@BLOCK")
+    parser.add_argument(
+        "--presets",
+        default="default-v2,default-v3",
+        help="named defaults embedded through Backbone.embed ('': none)",
+    )
     parser.add_argument("--fashion-gallery", type=int, default=1000)
     parser.add_argument("--fashion-queries", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=16)

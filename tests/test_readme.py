@@ -195,9 +195,9 @@ class Check:
 
 # key: a piece of text found in exactly one snippet
 CHECKS = {
-    "pip install ./client": Check([r'"dim": ?384', r"Would install vitembed-client-"]),
+    "pip install ./client": Check([r'"dim": ?768', r"Would install vitembed-client-"]),
     'client.embed(["examples/cat.jpg", "examples/coffee.jpg"], normalize=True)': Check(
-        [r"^\(2, 384\) float32 \[1\.0, 1\.0\]$"],
+        [r"^\(2, 768\) float32 \[1\.0, 1\.0\]$"],
         "print(vectors.shape, vectors.dtype, [round(float(v), 3) for v in (vectors**2).sum(axis=1)])",
     ),
     "vitembed embed-catalog photos/ --out cat/": Check(
@@ -208,7 +208,7 @@ CHECKS = {
         ]
     ),
     'pil_image = Image.open("examples/coffee.jpg")  # the two': Check(
-        [r"^\(2, 384\) float32$"], "print(vectors.shape, vectors.dtype)"
+        [r"^\(2, 768\) float32$"], "print(vectors.shape, vectors.dtype)"
     ),
     "recipe = bb.embed(photos": Check(
         [
@@ -225,10 +225,10 @@ CHECKS = {
         "python -c \"import numpy as np; a = np.load('grid.npy'); print('grid.npy', a.shape, a.dtype)\"",
     ),
     "import base64, openai": Check(
-        [r"^384 1\.0$"], "print(len(vector), round(sum(v * v for v in vector), 3))"
+        [r"^768 1\.0$"], "print(len(vector), round(sum(v * v for v in vector), 3))"
     ),
     "RetryPolicy(deadline=60.0)": Check(
-        [r"^422 invalid_size ", r"^\(3, 384\) \(1, 32, 32, 384\) sku-042 3 \['embedded'\]$"],
+        [r"^422 invalid_size ", r"^\(3, 768\) \(1, 32, 32, 384\) sku-042 3 \['embedded'\]$"],
         "print(vectors.shape, grid.shape, hits[0].id, len(labels), [m.id for m in models])",
     ),
     "vitembed embed-catalog products.csv": Check([r"done: 3 rows written", r"done: 4 rows written"]),

@@ -19,17 +19,28 @@ from PIL import Image
 
 from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult, backbone_info
 from .checkpoint import CheckpointFacts, ResolvedCheckpoint
-from .errors import InvalidOptionError, SizeError, UnsupportedModelError
+from .errors import InvalidOptionError, SizeError
 from .features import Features, LayerTokens
 from .model_config import ModelConfig
+from .module_paths import find_blocks, get_attr
 from .pool_requests import pooled_many
-from .pooling import WHOLE_NETWORK, Pooling, check_pooling, pool, pool_layers, pooled_array, pooled_dim
+from .pooling import (
+    WHOLE_NETWORK,
+    Pooling,
+    check_pooling,
+    is_mirrored,
+    pool,
+    pool_layers,
+    pooled_array,
+    pooled_dim,
+)
 from .pos_embed import PositionTableCache, image_box, letterbox_positions
 from .preprocess import (
     Prepared,
     PreprocessConfig,
     Preprocessor,
     ResizePolicy,
+    batches_by_grid,
     check_policy,
     stack,
     stack_valid,
@@ -89,8 +100,8 @@ class Backbone:
         box_h, box_w = preprocess.default_box
         self.processing_grid = (max(1, box_h // self.patch_size[0]), max(1, box_w // self.patch_size[1]))
         self.preprocessor = Preprocessor(preprocess, self.patch_size, self.processing_grid)
-        self._final_norm: torch.nn.Module = _get_attr(model, spec.final_norm)
-        self._blocks_owner, self._blocks_name = _find_blocks(model, self.depth)
+        self._final_norm: torch.nn.Module = get_attr(model, spec.final_norm)
+        self._blocks_owner, self._blocks_name = find_blocks(model, self.depth)
         self._forward_lock = threading.Lock()  # early-exit hooks live on shared blocks: one forward at a time
         self._positions: PositionTableCache | None = None
         # per image (rows, cols) of the image inside a letterboxed grid, set for one forward under the lock
@@ -106,7 +117,7 @@ class Backbone:
         Every learned-table family in transformers calls ``embeddings.interpolate_pos_encoding(emb, H, W)``
         with pixel sizes; replacing it on the instance keeps the rest of transformers' forward untouched.
         """
-        table = _get_attr(self.model, self.spec.pos_table_attr)
+        table = get_attr(self.model, self.spec.pos_table_attr)
         if table.dim() == 2:  # nn.Embedding weight [P + N, D]
             table = table.unsqueeze(0)  # [1, P + N, D]
         self._positions = PositionTableCache(table, has_cls=self.spec.pos_table_has_cls, method=self.resample)
@@ -123,7 +134,7 @@ class Backbone:
                 return table
             return letterbox_positions(positions, table, grid, boxes)  # [B, P + h*w, D]
 
-        embeddings_module = _get_attr(self.model, "embeddings")
+        embeddings_module = get_attr(self.model, "embeddings")
         embeddings_module.interpolate_pos_encoding = interpolate_pos_encoding
 
     # ------------------------------------------------------------------ layers
@@ -168,6 +179,17 @@ class Backbone:
             )
         chosen = layers if layers is not None else defaults.layers
         return chosen_pooling, self.resolve_layers(chosen)
+
+    def choose_size(
+        self, size: SizeArg | None, preset: str | None = None, pooling: str | None = None
+    ) -> tuple[int, int] | None:
+        """The box a call uses: what it asks for (one number: a square), else the preset's (None: this
+        backbone's defaults); None means the model's native size. A preset's box was chosen for its vector
+        feature: dense output (``pooling="patch"``) keeps the native box unless a size is given."""
+        chosen = square_size(size)
+        if chosen is not None or pooling == "patch":
+            return chosen
+        return self.preset_defaults(preset).size
 
     # ------------------------------------------------------------------ forward
     @property
@@ -297,6 +319,8 @@ class Backbone:
     ) -> torch.Tensor:
         """One forward pass to one pooled feature per image ([b, F] or [b, h, w, F]); stops at the deepest
         requested block unless the pooling needs the model's own head. ``valid`` [b, h, w]: image patches."""
+        if is_mirrored(pooling):  # the batch and its mirror image in one pass (vit_backbone.mirror)
+            return self.pooled_many(pixel_values, [(pooling, layers)], valid=valid)[0]
         if layers is None or pooling in WHOLE_NETWORK:
             return pool(self.features(pixel_values, layers=layers, valid=valid), pooling, layers)
         return pool_layers(self.layer_features(pixel_values, layers, valid=valid), pooling, layers)
@@ -334,11 +358,21 @@ class Backbone:
         size: SizeArg | None = None,
         policy: ResizePolicy | None = None,
         draft: bool = True,
+        preset: str | None = None,
     ) -> list[Prepared]:
-        chosen_policy = self.check_policy(policy)
-        size = square_size(size)  # one number: a square
+        """Decode and preprocess; ``size`` and ``policy`` not given come from ``preset`` (None: this
+        backbone's defaults)."""
+        return self._prepare(images, self.check_policy(policy, preset), self.choose_size(size, preset), draft)
+
+    def _prepare(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        policy: ResizePolicy,
+        size: tuple[int, int] | None,  # resolved: None is the native box
+        draft: bool,
+    ) -> list[Prepared]:
         items = [images] if isinstance(images, Image.Image | bytes) else list(images)
-        return [self.preprocessor(item, policy=chosen_policy, size=size, draft=draft) for item in items]
+        return [self.preprocessor(item, policy=policy, size=size, draft=draft) for item in items]
 
     def check_policy(self, policy: str | None, preset: str | None = None) -> ResizePolicy:
         return check_policy(policy or self.preset_defaults(preset).policy)
@@ -366,7 +400,7 @@ class Backbone:
                 f"grids {sorted(grids)}: use a fixed-size policy (crop, squash, pad) or embed them separately"
             )
         results: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prepared)
-        for indices in _batches_by_grid(prepared, batch_size):
+        for indices in batches_by_grid(prepared, batch_size):
             batch = [prepared[i] for i in indices]
             pixel_values, _ = stack(batch)  # [b, 3, H, W]
             valid = stack_valid(batch)  # [b, h, w] or None
@@ -418,11 +452,11 @@ class Backbone:
         preset: str | None = None,
     ) -> EmbedResult:
         """``embed`` with the effective grid of every image and the provenance of the vectors."""
-        size = square_size(size)  # one number: a square
         defaults = self.preset_defaults(preset)
         chosen_policy = self.check_policy(policy, preset)
         chosen_pooling, chosen_layers = self.choose(pooling, layers, preset)
-        prepared = self.prepare(images, size=size, policy=chosen_policy, draft=draft)
+        size = self.choose_size(size, preset, chosen_pooling)
+        prepared = self._prepare(images, chosen_policy, size, draft)
         vectors = self.embed_prepared(
             prepared, pooling=chosen_pooling, layers=chosen_layers, normalize=normalize, batch_size=batch_size
         )
@@ -458,33 +492,3 @@ class Backbone:
     # ------------------------------------------------------------------ facts
     def info(self) -> BackboneInfo:
         return backbone_info(self)
-
-
-def _batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[list[int]]:
-    groups: dict[tuple[int, int], list[int]] = {}
-    for index, item in enumerate(prepared):
-        groups.setdefault(item.grid, []).append(index)
-    for indices in groups.values():
-        for start in range(0, len(indices), batch_size):
-            yield indices[start : start + batch_size]
-
-
-def _find_blocks(model: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, str]:
-    """The ModuleList of the transformer blocks (``encoder.layer``, ``encoder.layers``, ``model.layer``...
-    depending on the family), found by shape rather than by a name per family."""
-    found = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.ModuleList) and len(module) == depth
-    ]
-    if not found:
-        raise UnsupportedModelError(f"cannot find the {depth} transformer blocks in {type(model).__name__}")
-    path = min(found, key=len)
-    owner_path, _, name = path.rpartition(".")
-    return (_get_attr(model, owner_path) if owner_path else model), name
-
-
-def _get_attr(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root

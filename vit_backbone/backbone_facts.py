@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .pooling import POOLINGS, Pooling
+from .pooling import NEEDS_CLS, POOLINGS, Pooling
 from .preprocess import ResizePolicy
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ class EmbedDefaults:
     layers: tuple[int, ...] | None = None
     policy: ResizePolicy = "crop"
     preset: str = ""  # the named preset these come from (vit_backbone.presets); "" = set by hand
+    size: tuple[int, int] | None = None  # the box [h, w] when no size is asked for; None: the native size
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def backbone_info(backbone: Backbone) -> BackboneInfo:
         poolings=[
             p
             for p in POOLINGS
-            if (backbone.spec.has_cls or p not in ("cls", "cls_mean", "linear_eval"))
+            if (backbone.spec.has_cls or p not in NEEDS_CLS)
             and (p != "projection" or backbone.projection is not None)
         ],
         projection_dim=None if backbone.projection is None else backbone.output_dim("projection", None),
@@ -131,5 +132,6 @@ def _defaults_dict(d: EmbedDefaults) -> dict[str, Any]:
         "pooling": d.pooling,
         "layers": None if d.layers is None else list(d.layers),
         "policy": d.policy,
+        "size": None if d.size is None else list(d.size),
         "preset": d.preset,
     }

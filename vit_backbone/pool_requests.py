@@ -14,7 +14,8 @@ import torch
 
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
-from .pooling import WHOLE_NETWORK, Pooling, check_pooling, pool, pool_layers
+from .mirror import fold_mirror, original_half, with_mirror
+from .pooling import WHOLE_NETWORK, Pooling, check_pooling, is_mirrored, pool, pool_layers, unmirrored
 
 
 class TokenSource(Protocol):
@@ -55,6 +56,8 @@ def pooled_many(
 
     Equal to ``backbone.pooled(pixel_values, pooling, layers)`` for each request. ``layers=None`` means the
     last block, which is the same tokens as ``[depth - 1]`` through the final norm, so it joins the union.
+    A mirror-averaged pooling (``*_hflip``) runs the pass on the batch and its mirror image together; the
+    other requests then read the un-mirrored half.
     """
     if not requests:
         raise InvalidOptionError("pooled_many needs at least one (pooling, layers) request")
@@ -63,11 +66,21 @@ def pooled_many(
         chosen = check_pooling(pooling)
         resolved.append((chosen, backbone.resolve_layers(list(layers) if layers is not None else None)))
     union = sorted({i for _, layers in resolved for i in (layers or [backbone.depth - 1])})
+    mirrored = any(is_mirrored(pooling) for pooling, _ in resolved)
+    if mirrored:
+        pixel_values, valid = with_mirror(pixel_values, valid)  # [2b, 3, H, W], [2b, h, w]
     if any(pooling in WHOLE_NETWORK for pooling, _ in resolved):  # the model's own head: the whole network
         features = backbone.features(pixel_values, layers=union, valid=valid)
-        return [pool(features, pooling, layers) for pooling, layers in resolved]
-    tokens = backbone.layer_features(pixel_values, union, valid=valid)  # stops at the union's deepest block
+        pooled = [pool(features, unmirrored(pooling), layers) for pooling, layers in resolved]
+    else:
+        tokens = backbone.layer_features(pixel_values, union, valid=valid)  # stops at the deepest block
+        pooled = [
+            pool_layers(tokens, unmirrored(pooling), layers if layers is not None else [backbone.depth - 1])
+            for pooling, layers in resolved
+        ]
+    if not mirrored:
+        return pooled
     return [
-        pool_layers(tokens, pooling, layers if layers is not None else [backbone.depth - 1])
-        for pooling, layers in resolved
+        fold_mirror(x) if is_mirrored(pooling) else original_half(x)  # [b, F] / [b, h, w, F]
+        for x, (pooling, _) in zip(pooled, resolved, strict=True)
     ]

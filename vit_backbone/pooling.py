@@ -13,6 +13,10 @@
 - ``patch``: the patch grid [B, h, w, D].
 - ``linear_eval``: the DINOv2 linear-evaluation input: CLS of each requested block, then the mean patch
   token of the last requested block (``create_linear_input`` with ``use_avgpool=True``).
+- ``cls_hflip``, ``mean_hflip``, ``cls_mean_hflip``, ``gem_hflip``: the same pooling averaged over the image
+  and its mirror image (left-right): the mean of the two L2-normalised features, from one forward pass on
+  both (:mod:`vit_backbone.mirror`). A mirrored copy then lands on its original's vector; it costs a forward
+  pass of twice the batch.
 
 With several blocks, each block's pooled feature is concatenated in the order given ([B, L*D], or
 [B, h, w, L*D] for ``patch``), except ``linear_eval`` whose layout is the recipe's own.
@@ -29,9 +33,24 @@ import torch
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
 
-Pooling = Literal["cls", "pooler", "projection", "mean", "cls_mean", "gem", "patch", "linear_eval"]
+Pooling = Literal[
+    "cls",
+    "pooler",
+    "projection",
+    "mean",
+    "cls_mean",
+    "gem",
+    "patch",
+    "linear_eval",
+    "cls_hflip",
+    "mean_hflip",
+    "cls_mean_hflip",
+    "gem_hflip",
+]
 WHOLE_NETWORK: tuple[str, ...] = ("pooler", "projection")  # the model's own heads: last block, full forward
 POOLINGS: tuple[str, ...] = get_args(Pooling)
+MIRRORED_SUFFIX = "_hflip"
+NEEDS_CLS: tuple[str, ...] = ("cls", "cls_mean", "linear_eval", "cls_hflip", "cls_mean_hflip")
 GEM_P = 3.0
 
 
@@ -39,6 +58,24 @@ def check_pooling(pooling: str) -> Pooling:
     if pooling not in POOLINGS:
         raise InvalidOptionError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
     return pooling  # type: ignore[return-value]
+
+
+def is_mirrored(pooling: str) -> bool:
+    """A pooling averaged over the image and its mirror (the mirrored pass: ``vit_backbone.mirror``)."""
+    return pooling.endswith(MIRRORED_SUFFIX)
+
+
+def unmirrored(pooling: Pooling) -> Pooling:
+    """The pooling a mirrored one averages (``cls_mean_hflip`` -> ``cls_mean``); others unchanged."""
+    return pooling.removesuffix(MIRRORED_SUFFIX) if is_mirrored(pooling) else pooling  # type: ignore[return-value]
+
+
+def _refuse_mirrored(pooling: str) -> None:
+    if is_mirrored(pooling):
+        raise InvalidOptionError(
+            f"pooling={pooling!r} averages the image and its mirror image, so it needs both forward passes: "
+            "use Backbone.pooled / pooled_many / embed, not pooling of tokens already computed"
+        )
 
 
 def _require_cls(tokens: LayerTokens, pooling: str) -> torch.Tensor:
@@ -80,11 +117,13 @@ def pool_layer(tokens: LayerTokens, pooling: Pooling) -> torch.Tensor:
         return gem_patches(tokens)
     if pooling == "patch":
         return tokens.patches
+    _refuse_mirrored(pooling)
     raise InvalidOptionError(f"pooling {pooling!r} is not a per-block pooling")
 
 
 def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> torch.Tensor:
     """Pool ``features`` whose ``layers`` already hold every requested block (None = last block)."""
+    _refuse_mirrored(pooling)
     if pooling == "projection":
         if layers is not None:
             raise InvalidOptionError(
@@ -111,6 +150,7 @@ def pool(features: Features, pooling: Pooling, layers: Sequence[int] | None) -> 
 
 def pool_layers(tokens: Mapping[int, LayerTokens], pooling: Pooling, layers: Sequence[int]) -> torch.Tensor:
     """Pool the requested blocks, in the order given."""
+    _refuse_mirrored(pooling)
     if pooling in WHOLE_NETWORK:
         raise InvalidOptionError(
             f"pooling={pooling!r} is the model's own head on the last block; drop `layers`"
@@ -128,6 +168,7 @@ def _pool_blocks(chosen: Sequence[LayerTokens], pooling: Pooling) -> torch.Tenso
 
 def pooled_dim(pooling: Pooling, dim: int, num_layers: int) -> int:
     """Width of the pooled feature (per patch for ``patch``)."""
+    pooling = unmirrored(pooling)
     per_layer = {"cls_mean": 2 * dim}.get(pooling, dim)
     if pooling == "pooler":
         return dim

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -452,3 +452,14 @@ def check_token_budget(
             f"(attention cost grows with tokens²); {advice}"
         )
     return tokens
+
+
+def batches_by_grid(prepared: Sequence[Prepared], batch_size: int) -> Iterator[list[int]]:
+    """Indices of ``prepared`` in batches of one grid each (one forward pass per batch), input order kept
+    within a grid."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, item in enumerate(prepared):
+        groups.setdefault(item.grid, []).append(index)
+    for indices in groups.values():
+        for start in range(0, len(indices), batch_size):
+            yield indices[start : start + batch_size]

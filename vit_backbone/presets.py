@@ -10,6 +10,11 @@ heads store their resolved options (pooling, blocks, policy), so they keep servi
 - ``default-v2``: the embedded backbone trims flat borders, then squashes (``trim_squash``: chosen on the
   harder copy-detection set, ``bench/copy_detection.py``), still the mean of block 8; a full CLIP/SigLIP
   checkpoint returns its projected image embedding (``projection``, the joint image-text space); others as v1.
+- ``default-v3``: the embedded backbone trims borders and squashes into a 98x98 box (a 7x7 patch grid: a copy
+  uploaded as a thumbnail and its full-size original then look alike, and a forward pass costs a fifth of
+  224's), and reads CLS and patch mean of block 8 averaged over the image and its mirror image
+  (``cls_mean_hflip``, 768 wide); chosen on the frozen copy-detection set (``bench/copy_detection.py``).
+  Full CLIP/SigLIP checkpoints and the others as v2.
 
 A checkpoint's own ``vitembed.json`` defaults (other than the embedded one) win over every preset.
 """
@@ -36,6 +41,7 @@ class Preset:
     layers: tuple[int, ...]
     policy: str
     joint_space: bool  # a full CLIP/SigLIP checkpoint defaults to pooling="projection"
+    size: tuple[int, int] | None = None  # the embedded backbone's box [h, w]; None: its native 224x224
 
 
 PRESETS: dict[str, Preset] = {
@@ -43,9 +49,10 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("default-v1", "mean", (8,), "pad", joint_space=False),
         Preset("default-v2", "mean", (8,), "trim_squash", joint_space=True),
+        Preset("default-v3", "cls_mean_hflip", (8,), "trim_squash", joint_space=True, size=(98, 98)),
     )
 }
-DEFAULT_PRESET = "default-v2"
+DEFAULT_PRESET = "default-v3"
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
 
@@ -60,7 +67,8 @@ def check_preset(name: str | None) -> str:
 def embedded_defaults(name: str | None = None) -> dict[str, Any]:
     """The embedded backbone's defaults under a preset, as ``vitembed.json`` writes them."""
     p = PRESETS[check_preset(name)]
-    return {"pooling": p.pooling, "layers": list(p.layers), "policy": p.policy}
+    size = None if p.size is None else list(p.size)
+    return {"pooling": p.pooling, "layers": list(p.layers), "policy": p.policy, "size": size}
 
 
 def resolve_presets(
@@ -78,13 +86,16 @@ def resolve_presets(
     out: dict[str, EmbedDefaults] = {}
     for name, preset in PRESETS.items():
         if embedded:
-            chosen = EmbedDefaults(check_pooling(preset.pooling), preset.layers, check_policy(preset.policy))
+            chosen = EmbedDefaults(
+                check_pooling(preset.pooling), preset.layers, check_policy(preset.policy), size=preset.size
+            )
         elif declared:
             layers = declared.get("layers")
             chosen = EmbedDefaults(
                 pooling=check_pooling(str(declared.get("pooling", family_pooling))),
                 layers=None if layers is None else tuple(int(i) for i in layers),
                 policy=check_policy(str(declared.get("policy", "crop"))),
+                size=_declared_size(declared.get("size")),
             )
         elif preset.joint_space and has_projection:
             chosen = EmbedDefaults("projection")
@@ -92,3 +103,11 @@ def resolve_presets(
             chosen = EmbedDefaults(check_pooling(family_pooling))
         out[name] = dataclasses.replace(chosen, preset=name)
     return out
+
+
+def _declared_size(raw: Any) -> tuple[int, int] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list | tuple) or len(raw) != 2 or not all(isinstance(v, int) for v in raw):
+        raise InvalidOptionError(f"vitembed.json defaults.size must be [h, w] integers or null, got {raw!r}")
+    return (int(raw[0]), int(raw[1]))

@@ -38,7 +38,8 @@ def provenance(reference: Backbone, **changes: Any) -> dict[str, Any]:
         "policy": "crop",
         "interpolation": "transformers",
         "precision": "float32",
-        "preset": "default-v2",
+        "preset": "default-v3",
+        "size": None,
         "precision_cosine": None,
     }
     return {**expected, **changes}
@@ -102,7 +103,7 @@ async def test_json_base64_with_json_options_and_base64_output(
     got = from_base64(body, "<f4")
     assert got.shape == (3, 32)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
-    assert body["provenance"] == provenance(reference, layers=[1], policy="squash")
+    assert body["provenance"] == provenance(reference, layers=[1], policy="squash", size=[112, 84])
 
 
 async def test_query_options_with_a_json_body(
@@ -117,7 +118,7 @@ async def test_query_options_with_a_json_body(
     np.testing.assert_allclose(floats(body), result.vectors, atol=TOL, rtol=0)
     assert [tuple(item["grid"]) for item in body["data"]] == result.grids
     assert len(set(result.grids)) > 1  # dynamic keeps each aspect ratio: mixed grids in one request
-    assert body["provenance"] == provenance(reference, pooling="gem", policy="dynamic")
+    assert body["provenance"] == provenance(reference, pooling="gem", policy="dynamic", size=[112, 112])
 
 
 async def test_float16_as_numbers_and_as_base64(

@@ -218,7 +218,8 @@ async def test_unknown_pooling_and_layers(server: Server, images: Images, err: E
     assert err(response) == {
         "code": "invalid_option",
         "message": "unknown pooling 'max'; choose one of "
-        "cls, pooler, projection, mean, cls_mean, gem, patch, linear_eval",
+        "cls, pooler, projection, mean, cls_mean, gem, patch, linear_eval, "
+        "cls_hflip, mean_hflip, cls_mean_hflip, gem_hflip",
     }
     response = await server.client.post("/v1/embed", files={"image": images.jpeg()}, data={"layers": "5"})
     assert response.status_code == 422

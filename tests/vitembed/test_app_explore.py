@@ -327,3 +327,27 @@ async def test_page_and_auth(serve: OpenServer, images: Images, err: Any) -> Non
         assert {"/v1/patch-features", "/v1/patch-similarity", "/v1/indexes/{index}/thumbnail"} <= set(
             schema["paths"]
         )
+
+
+async def test_the_view_and_the_tokens_share_the_native_box_under_a_presets_box(
+    serve: OpenServer, make_checkpoint: Any, images: Images
+) -> None:
+    """A checkpoint whose defaults carry a box (as the embedded backbone's default-v3 does: 98x98) still
+    shows and maps patches at the native box, as ``pooling=patch`` embeds them: the PNG, the grid and the
+    tokens agree."""
+    import json
+
+    folder = make_checkpoint("dinov2", seed=5)  # native 56x56: a 4x4 grid
+    defaults = {"pooling": "mean_hflip", "policy": "squash", "size": [28, 28]}
+    (folder / "vitembed.json").write_text(json.dumps({"defaults": defaults}))
+    photo = images.jpeg(150, 90, seed=8)
+    async with serve(models={"boxed": str(folder)}) as server:
+        response = await server.client.post("/v1/patch-features", files={"image": photo})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["grid"] == [4, 4] and body["size"] == [56, 56]
+        assert list(png_pixels(body["view"]).shape) == [56, 56, 3]
+        embedded = await server.client.post("/v1/embed", files={"image": photo}, data={"return_grid": "true"})
+        assert embedded.status_code == 200, embedded.text
+        assert embedded.json()["data"][0]["grid"] == [2, 2]  # the vector itself: the declared box
+        assert embedded.json()["provenance"]["size"] == [28, 28]

@@ -145,7 +145,7 @@ async def test_classify_multipart_equals_the_python_api(
         "precision": "float32",  # computed here (the test server runs float32)
         "precision_cosine": None,  # float32 as asked: nothing measured
         "head_precision": "float32",  # and when the head was trained
-        "preset": "default-v2",  # the named defaults it was trained under
+        "preset": "default-v3",  # the named defaults it was trained under
     }
 
 

@@ -147,7 +147,7 @@ async def test_image_search_agrees_with_the_library(
         "precision_cosine": None,
         "model_precision": "float32",
         "index_precision": "float32",
-        "preset": "default-v2",
+        "preset": "default-v3",
     }
 
 
@@ -683,7 +683,7 @@ async def test_cli_and_server_on_an_index_with_non_default_options(
         "precision_cosine": None,
         "model_precision": "float32",
         "index_precision": "float32",
-        "preset": "default-v2",
+        "preset": "default-v3",
     }
 
 

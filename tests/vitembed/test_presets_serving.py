@@ -1,7 +1,7 @@
 """Named presets and the projection through the real app (in process, real engine, real LanceDB table):
-a full CLIP checkpoint answers /v1/embed and /v1/embeddings with its projected image embedding (default-v2),
+a full CLIP checkpoint answers /v1/embed and /v1/embeddings with its projected image embedding (default-v3),
 ``preset=default-v1`` gives the previous default back, and an index and a head built under default-v1 keep
-serving unchanged now that the default is default-v2 (they store their resolved options)."""
+serving unchanged now that the default is default-v3 (they store their resolved options)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ async def test_full_clip_serves_its_projection_and_the_old_default_by_name(
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["dim"] == 16 and body["provenance"]["pooling"] == "projection"
-        assert body["provenance"]["preset"] == "default-v2" and body["provenance"]["policy"] == "crop"
+        assert body["provenance"]["preset"] == "default-v3" and body["provenance"]["policy"] == "crop"
         np.testing.assert_allclose(_vectors(body), projection, rtol=0, atol=TOL)
 
         response = await server.client.post("/v1/embed", json={**payload, "preset": "default-v1"})
@@ -65,7 +65,7 @@ async def test_full_clip_serves_its_projection_and_the_old_default_by_name(
 
         response = await server.client.post("/v1/embed", json={**payload, "preset": "default-v9"})
         assert response.status_code == 422, response.text
-        assert "default-v1, default-v2" in response.text
+        assert "default-v1, default-v2, default-v3" in response.text
 
 
 async def test_an_index_and_a_head_built_under_default_v1_keep_serving(
@@ -106,3 +106,65 @@ async def test_an_index_and_a_head_built_under_default_v1_keep_serving(
         assert response.status_code == 200, response.text
         assert response.json()["provenance"]["preset"] == "default-v1"
         assert response.json()["provenance"]["pooling"] == "cls"
+
+
+@pytest.mark.slow
+async def test_the_embedded_default_is_default_v3_and_default_v2_stays_by_name(
+    serve: OpenServer,
+    embedded_dir: Path,
+    sample_images: list,
+    images: Images,  # type: ignore[type-arg]
+) -> None:
+    """default-v3 on the real embedded weights: trim_squash into 98x98 (a 7x7 grid), CLS and patch mean of
+    block 8 averaged with the mirror image; the server equals the library, reports the box it used, and a
+    mirrored upload gets its original's vector; default-v2 (224, mean of block 8) by name, as before."""
+    import io
+
+    from PIL import ImageOps
+
+    bb = load_backbone("embedded")
+    photo = sample_images[0]
+    buffer, flipped = io.BytesIO(), io.BytesIO()
+    photo.save(buffer, "PNG")
+    ImageOps.mirror(photo).save(flipped, "PNG")
+    data = [buffer.getvalue(), flipped.getvalue()]
+    payload = {"images": [{"base64": base64.b64encode(d).decode()} for d in data], "return_grid": True}
+    v3 = bb.embed(data)  # [2, 768]
+    v2 = bb.embed(data, preset="default-v2")  # [2, 384]
+    async with serve(models={"embedded": "embedded"}) as server:
+        response = await server.client.post("/v1/embed", json=payload)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        facts = body["provenance"]
+        assert (facts["preset"], facts["pooling"], facts["layers"], facts["policy"], facts["size"]) == (
+            "default-v3",
+            "cls_mean_hflip",
+            [8],
+            "trim_squash",
+            [98, 98],
+        )
+        assert body["dim"] == 768 and [item["grid"] for item in body["data"]] == [[7, 7], [7, 7]]
+        got = _vectors(body)
+        np.testing.assert_allclose(got, v3, rtol=0, atol=TOL)
+        unit = got / np.linalg.norm(got, axis=1, keepdims=True)
+        assert float(unit[0] @ unit[1]) > 0.9999  # the mirrored upload lands on its original
+
+        response = await server.client.post("/v1/embed", json={**payload, "preset": "default-v2"})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        facts = body["provenance"]
+        assert (facts["preset"], facts["pooling"], facts["size"]) == ("default-v2", "mean", None)
+        assert [item["grid"] for item in body["data"]] == [[16, 16], [16, 16]]
+        np.testing.assert_allclose(_vectors(body), v2, rtol=0, atol=TOL)
+        v2_unit = v2 / np.linalg.norm(v2, axis=1, keepdims=True)
+        assert float(v2_unit[0] @ v2_unit[1]) < 0.999  # what the mirror averaging changed
+
+        response = await server.client.post("/v1/embed", json={**payload, "pooling": "patch"})
+        assert response.status_code == 200, response.text  # dense output keeps the native box
+        assert response.json()["provenance"]["size"] is None
+        assert [item["grid"] for item in response.json()["data"]] == [[16, 16], [16, 16]]
+
+        response = await server.client.post("/v1/embed", json={**payload, "size": [224, 224]})
+        assert response.status_code == 200, response.text
+        assert response.json()["provenance"]["size"] == [224, 224]
+        assert [item["grid"] for item in response.json()["data"]] == [[16, 16], [16, 16]]

@@ -21,13 +21,19 @@ from typing import Any
 import numpy as np
 
 from vit_backbone.catalog.errors import CatalogError
+from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.catalog.shard_stream import iter_shards, plan_catalog
+from vit_backbone.presets import DEFAULT_PRESET
 
-# Embedded default features (default-v2: mean of block 8, trim_squash). On two views of each of 4 real photos
-# with 5 copies each (tests/vit_backbone/catalog/test_dedup.py) copies score >= 0.938 with their original and
-# other views of the same photo <= 0.897: 0.90-0.92 gives pairwise precision and recall 1.0. On the copy set
-# (bench/copy_detection.py) 0.92 keeps 0.87 of the query-original pairs; README "Near duplicates".
+# The embedded default features' threshold, per preset. default-v3 (cls_mean_hflip of block 8, trim_squash,
+# 98x98): on two views of each of 4 real photos with 5 copies each (tests/vit_backbone/catalog/test_dedup.py)
+# other views of the same photo score <= 0.897 and every copy but one >= 0.944 with its original (a
+# screenshot-style copy 0.895): 0.90-0.94 gives pairwise precision 1.0, recall 0.958; on the copy set
+# (bench/copy_detection.py) 0.92 keeps 0.953 of the query-original pairs. default-v2 (mean of block 8,
+# trim_squash, 224): copies >= 0.938, other views <= 0.897, 0.90-0.92 gives 1.0 / 1.0; the copy set keeps
+# 0.872 at 0.92. README "Near duplicates".
 DEFAULT_THRESHOLD = 0.92
+PRESET_THRESHOLDS: dict[str, float] = {"default-v2": 0.92, "default-v3": 0.92}
 DEFAULT_BLOCK = 4096
 
 
@@ -39,6 +45,30 @@ class DuplicateGroups:
     representative: np.ndarray  # [G] int64: catalog row of each group's representative
     pairs: int  # above-threshold pairs found
     threshold: float
+
+
+def default_threshold(meta: CatalogMeta | None) -> tuple[float, str]:
+    """The calibrated threshold for a catalog's features and where it comes from: the threshold of the
+    preset that made them when the catalog holds exactly that preset's embedded-backbone features, else
+    the current default's (``uncalibrated``: a cosine of other features means something else)."""
+    from vit_backbone.presets import PRESETS
+
+    if meta is not None and meta.preset in PRESET_THRESHOLDS:
+        p = PRESETS[meta.preset]
+        same = (
+            meta.model == "embedded"
+            and meta.pooling == p.pooling
+            and meta.layers == list(p.layers)
+            and meta.policy == p.policy
+            and meta.size == (None if p.size is None else list(p.size))
+        )
+        if same:
+            return PRESET_THRESHOLDS[meta.preset], f"calibrated for {meta.preset}"
+    return DEFAULT_THRESHOLD, f"uncalibrated for these features: {DEFAULT_PRESET}'s"
+
+
+def catalog_meta(folder: Path) -> CatalogMeta:
+    return plan_catalog(folder).meta
 
 
 def load_catalog_vectors(folder: Path) -> tuple[list[str], np.ndarray]:
@@ -68,6 +98,12 @@ def load_table_vectors(db: Path, table: str, *, batch_rows: int = 65_536) -> tup
     if not ids:
         raise CatalogError(f"{db}:{table}: the table holds no rows")
     return ids, np.concatenate(parts)  # [N, D]
+
+
+def table_meta(db: Path, table: str) -> CatalogMeta:
+    from vit_backbone.catalog.index_build import open_table, read_table_meta
+
+    return read_table_meta(open_table(db, table))[0]
 
 
 def above_threshold_pairs(
@@ -124,7 +160,13 @@ def find_duplicates(
 
 
 def write_duplicates(
-    found: DuplicateGroups, ids: Sequence[str], out: Path, *, source: str, rows: int
+    found: DuplicateGroups,
+    ids: Sequence[str],
+    out: Path,
+    *,
+    source: str,
+    rows: int,
+    threshold_source: str = "given",
 ) -> dict[str, Any]:
     """``out`` (Parquet: group, id, similarity_to_representative) and ``out``.summary.json; the summary."""
     import pyarrow as pa
@@ -146,6 +188,7 @@ def write_duplicates(
         "catalog": source,
         "rows": rows,
         "threshold": found.threshold,
+        "threshold_source": threshold_source,
         "pairs_above_threshold": found.pairs,
         "groups": len(sizes),
         "rows_in_groups": len(found.group),

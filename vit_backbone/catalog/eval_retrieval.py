@@ -285,7 +285,7 @@ def run_retrieval_eval(
         preprocess_hash=result.preprocess_hash,
         pooling=result.pooling,
         layers=result.layers,
-        size=None if spec.size is None else list(spec.size),
+        size=None if result.size is None else list(result.size),
         policy=result.policy,
         normalized=spec.normalize,
         dim=int(vectors.shape[1]),

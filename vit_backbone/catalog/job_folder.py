@@ -141,8 +141,9 @@ def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta
     requested = list(spec.layers) if spec.layers is not None else defaults.layers
     layers = backbone.resolve_layers(requested)
     policy = backbone.check_policy(spec.policy, spec.preset)
-    if spec.size is not None:  # a size no image can satisfy is refused now, with the nearest valid sizes
-        backbone.preprocessor.target_size(policy, spec.size, spec.size)
+    size = backbone.choose_size(spec.size, spec.preset)  # stored resolved: the preset's box when not given
+    if size is not None:  # a size no image can satisfy is refused now, with the nearest valid sizes
+        backbone.preprocessor.target_size(policy, size, size)
     if spec.dtype not in DTYPES:
         raise InvalidOptionError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     return CatalogMeta(
@@ -151,7 +152,7 @@ def resolve_meta(backbone: Backbone, model: str, spec: EmbedSpec) -> CatalogMeta
         preprocess_hash=backbone.preprocess_config.hash(),
         pooling=pooling,
         layers=layers,
-        size=None if spec.size is None else list(spec.size),
+        size=None if size is None else list(size),
         policy=policy,
         normalized=spec.normalize,
         dim=backbone.output_dim(pooling, layers),

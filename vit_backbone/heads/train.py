@@ -7,6 +7,7 @@ saved head's own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,6 +106,9 @@ def train_head(
         return TrainResult(train_from_embeddings(read_embedding_parquet(data), options, str(data), backbone))
     if backbone is None:
         raise InvalidOptionError("training on images needs a backbone")
+    # the preset's box when none is asked for, stored in the card so that prediction prepares alike
+    dense = "patch" if options.kind == "patch" else None  # per-patch heads keep the native box
+    options = dataclasses.replace(options, size=backbone.choose_size(options.size, options.preset, dense))
     if options.kind == "patch":
         return _train_patch(backbone, Path(data), options, cache)
     return _train_classifier(backbone, Path(data), options, cache)

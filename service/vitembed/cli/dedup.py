@@ -13,7 +13,7 @@ HELP = "near-duplicate groups of an embedded catalog (connected components above
 
 
 def configure_dedup(parser: argparse.ArgumentParser) -> None:
-    from vit_backbone.catalog.dedup import DEFAULT_BLOCK, DEFAULT_THRESHOLD
+    from vit_backbone.catalog.dedup import DEFAULT_BLOCK, PRESET_THRESHOLDS
 
     parser.add_argument(
         "catalog",
@@ -32,9 +32,11 @@ def configure_dedup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threshold",
         type=float,
-        default=DEFAULT_THRESHOLD,
-        help=f"cosine similarity joining two images (default {DEFAULT_THRESHOLD}: calibrated for the "
-        "embedded default features on bench/copy_detection.py; calibrate again for other models or poolings)",
+        default=None,
+        help="cosine similarity joining two images (default: the one calibrated on bench/copy_detection.py "
+        "for the preset that made the catalog, "
+        + ", ".join(f"{k} {v}" for k, v in PRESET_THRESHOLDS.items())
+        + "; other models or options: the current default's, uncalibrated: give your own)",
     )
     parser.add_argument(
         "--block",
@@ -46,19 +48,27 @@ def configure_dedup(parser: argparse.ArgumentParser) -> None:
 
 def run_dedup(args: argparse.Namespace) -> int:
     from vit_backbone.catalog.dedup import (
+        catalog_meta,
+        default_threshold,
         find_duplicates,
         load_catalog_vectors,
         load_table_vectors,
+        table_meta,
         write_duplicates,
     )
 
     started = time.perf_counter()
     if args.table is not None:
         ids, vectors = load_table_vectors(args.catalog, args.table)
+        meta = table_meta(args.catalog, args.table)
     else:
         ids, vectors = load_catalog_vectors(args.catalog)
-    found = find_duplicates(vectors, args.threshold, block=args.block)
-    summary = write_duplicates(found, ids, args.out, source=str(args.catalog), rows=len(ids))
+        meta = catalog_meta(args.catalog)
+    threshold, source = (args.threshold, "given") if args.threshold is not None else default_threshold(meta)
+    found = find_duplicates(vectors, threshold, block=args.block)
+    summary = write_duplicates(
+        found, ids, args.out, source=str(args.catalog), rows=len(ids), threshold_source=source
+    )
     summary["seconds"] = round(time.perf_counter() - started, 2)
     json.dump(summary, sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -29,7 +29,19 @@ if TYPE_CHECKING:
     from vit_backbone.catalog.job_folder import JobFile
     from vit_backbone.catalog.meta import CatalogMeta
 
-POOLING_CHOICES = ("cls", "pooler", "projection", "mean", "cls_mean", "gem", "linear_eval")
+POOLING_CHOICES = (  # vit_backbone.pooling.POOLINGS less patch (no torch import for --help)
+    "cls",
+    "pooler",
+    "projection",
+    "mean",
+    "cls_mean",
+    "gem",
+    "linear_eval",
+    "cls_hflip",
+    "mean_hflip",
+    "cls_mean_hflip",
+    "gem_hflip",
+)
 POLICY_CHOICES = ("crop", "squash", "pad", "dynamic", "trim_squash", "trim_pad")
 
 

@@ -56,7 +56,9 @@ def configure_heads(parser: argparse.ArgumentParser) -> None:
     )
     add_size(train)
     train.add_argument("--policy", default=None, help="crop | squash | pad | dynamic (patch heads: squash)")
-    train.add_argument("--preset", default=None, help="named defaults: default-v2 (current) | default-v1")
+    train.add_argument(
+        "--preset", default=None, help="named defaults: default-v3 (current) | default-v2 | default-v1"
+    )
     train.add_argument("--val-fraction", type=float, default=0.2, help="held-out share for model selection")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--batch-size", type=int, default=8)

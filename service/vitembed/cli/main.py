@@ -205,7 +205,8 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
     )
     crop = f" -> center crop {config.crop_size[0]}x{config.crop_size[1]}" if config.crop_size else ""
     policy = defaults.get("policy", "crop")
-    box = f"{config.default_box[0]}x{config.default_box[1]}"
+    size = defaults.get("size")  # a preset's box (the embedded backbone's default-v3: 98x98)
+    box = f"{size[0]}x{size[1]}" if size else f"{config.default_box[0]}x{config.default_box[1]}"
     if policy != "crop":  # the default policy replaces the processor's resize and crop
         resize, crop = (
             f"policy {policy}: "
@@ -213,6 +214,8 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
                 "pad": f"letterbox into {box} (aspect kept, no crop)",
                 "squash": f"resize to {box} (no crop)",
                 "dynamic": f"patch grid of about {box}'s tokens (aspect kept, no crop)",
+                "trim_squash": f"flat borders trimmed, then resize to {box} (no crop)",
+                "trim_pad": f"flat borders trimmed, then letterbox into {box}",
             }.get(policy, policy),
             "",
         )
@@ -229,10 +232,11 @@ def _usage_facts(folder: Path) -> tuple[list[tuple[str, str]], tuple[int, int]]:
         (
             "defaults",
             f"pooling={defaults.get('pooling', spec.default_pooling)}, "
-            f"layers={defaults.get('layers')}, policy={defaults.get('policy', 'crop')}",
+            f"layers={defaults.get('layers')}, policy={defaults.get('policy', 'crop')}"
+            + (f", size={size[0]}x{size[1]}" if size else ""),
         ),
     ]
-    return facts, config.default_box
+    return facts, (int(size[0]), int(size[1])) if size else config.default_box
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ import io
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +138,7 @@ def resolve_served(client: Any, remote: RemoteOptions, spec: EmbedSpec) -> Serve
         preprocess_hash=str(facts["preprocess_hash"]),
         pooling=str(facts["pooling"]),
         layers=None if layers is None else [int(i) for i in layers],
-        size=None if spec.size is None else list(spec.size),
+        size=_served_size(facts.get("size"), spec.size),
         policy=str(facts["policy"]),
         normalized=spec.normalize,
         dim=int(vectors.shape[1]),
@@ -358,3 +358,11 @@ class _RequestPool:
         self.cancel_queued()
         for _ in self._threads:
             self._tasks.put(None)
+
+
+def _served_size(reported: Any, asked: Sequence[int] | None) -> list[int] | None:
+    """The box the server prepared for (its provenance's ``size``: the preset's when none was asked for);
+    a server from before it was reported: what was asked."""
+    if isinstance(reported, list) and len(reported) == 2:
+        return [int(reported[0]), int(reported[1])]
+    return None if asked is None else list(asked)

@@ -171,10 +171,14 @@ class Engine:
         size: tuple[int, int] | None,
         *,
         ticket: RequestTicket,
+        pooling: str | None = None,
     ) -> Prepared:
-        """One image as the model is given it (decode + preprocess on the decode pool), to show it."""
+        """One image as the model is given it (decode + preprocess on the decode pool), to show it; the
+        box is the one an embed request with ``pooling`` gets when ``size`` is None (the preset's, or the
+        native box for ``patch``)."""
         served = self._get(model)
         chosen = served.backbone.check_policy(policy)
+        size = served.backbone.choose_size(size, None, pooling)
         if size is not None:
             served.check_size(chosen, size, self.settings.max_tokens_per_image)
         return (await self._prepare_all(served, [data], chosen, size, ticket))[0]
@@ -212,14 +216,15 @@ class Engine:
         # validate every option before spending any work on the images
         pooling, layers = bb.choose(options.pooling, options.layers, options.preset)
         policy = bb.check_policy(options.policy, options.preset)
-        heads = select_heads(self._heads, options.heads, model, policy, options.size, served.preprocessor)
-        if options.size is not None:
-            served.check_size(policy, options.size, self.settings.max_tokens_per_image)
+        size = bb.choose_size(options.size, options.preset, pooling)  # None: the model's native size
+        heads = select_heads(self._heads, options.heads, model, policy, size, served.preprocessor)
+        if size is not None:
+            served.check_size(policy, size, self.settings.max_tokens_per_image)
         head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
-        reservation = self._admit(served, len(images), policy, options.size, deadline)
+        reservation = self._admit(served, len(images), policy, size, deadline)
         try:
-            prepared = await self._prepare_all(served, images, policy, options.size, ticket)
+            prepared = await self._prepare_all(served, images, policy, size, ticket)
             rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation)
         finally:
             reservation.release()  # whatever never reached the queue (an error, a cancellation)
@@ -242,6 +247,7 @@ class Engine:
             head_outputs=outputs,
             valid=[p.validity() for p in prepared],
             preset=bb.preset_defaults(options.preset).preset,
+            size=size,
         )
 
     async def classify(
@@ -340,7 +346,7 @@ class Engine:
         self._get(model).load.drop_lease(lease)
 
     def _check_early(self, served: ServedModel, deadline: float, lease: bool) -> int | None:
-        tokens = served.expected_tokens(served.backbone.check_policy(None), None)
+        tokens = served.expected_tokens(served.backbone.check_policy(None), served.backbone.choose_size(None))
         try:
             checked = served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False, lease=lease)
         except QueueFullError as refused:

@@ -52,6 +52,7 @@ class EmbedOutcome:
     head_outputs: list[dict[str, np.ndarray]] = field(default_factory=list)  # per image: see head_outputs
     valid: list[np.ndarray] = field(default_factory=list)  # per image [h, w]: image fraction of each patch
     preset: str = ""  # the named defaults that filled in the options not given
+    size: tuple[int, int] | None = None  # the box [h, w] the images were prepared for; None: native size
     precision_cosine: float | None = None  # min cosine to float32 measured at start-up (None: not measured)
 
 

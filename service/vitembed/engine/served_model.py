@@ -147,7 +147,9 @@ def seed_estimate(
     on (later forward passes keep the estimate current). A full batch, not a smaller one: per-image cost
     falls with the batch size, and a small batch's would make admission refuse work the server can do
     (measured: 32 concurrent single images refused with a 2-image seed)."""
-    prepared = preprocessor(probe_images()[0], policy=backbone.check_policy(None))
+    prepared = preprocessor(
+        probe_images()[0], policy=backbone.check_policy(None), size=backbone.choose_size(None)
+    )
     tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
     count = max(1, min(settings.max_batch_size, settings.max_batch_tokens // tokens))
     pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]

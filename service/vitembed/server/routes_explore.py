@@ -261,7 +261,10 @@ async def _tokens_and_view(
     block = _block(engine, model, options.layer)
     ticket = RequestTicket(deadline, budget_s(request))
     prepared = await race_client(
-        request, ticket, engine.prepare(model, image, options.policy, options.size, ticket=ticket), deadline
+        request,
+        ticket,
+        engine.prepare(model, image, options.policy, options.size, ticket=ticket, pooling="patch"),
+        deadline,
     )
     outcome = await run_engine(
         request,

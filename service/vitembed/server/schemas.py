@@ -104,7 +104,8 @@ class EmbedOptionsIn(BaseModel):
         None,
         min_length=1,
         max_length=32,
-        description="named defaults for the options not given: default-v2 (current) | default-v1",
+        description="named defaults for the options not given: default-v3 (current) | default-v2 "
+        "| default-v1",
     )
     normalize: Annotated[bool, FLAG] = Field(False, description="L2-normalise each vector")
     dtype: Dtype = Field("float32", description="float32 | float16 (JSON floats are rounded to it)")
@@ -174,7 +175,7 @@ class EmbedQuery(BaseModel):
     layers: str | None = Field(None, description="-1 or -4,-3,-2,-1")
     size: str | None = Field(None, description="H,W e.g. 224,224, or one number for a square")
     policy: str | None = Field(None, description="crop | squash | pad | dynamic | trim_squash | trim_pad")
-    preset: str | None = Field(None, description="default-v2 | default-v1")
+    preset: str | None = Field(None, description="default-v3 | default-v2 | default-v1")
     normalize: str | None = Field(None, description="true | false")
     dtype: str | None = Field(None, description="float32 | float16")
     encoding: str | None = Field(None, description="float | base64")
@@ -211,6 +212,9 @@ class Provenance(BaseModel):
     policy: str
     interpolation: str
     preset: str = Field(description="the named defaults that filled in the options not given")
+    size: list[int] | None = Field(
+        None, description="the box [h, w] the images were prepared for (null: the model's native size)"
+    )
     precision: Literal["float32", "bfloat16", "float16"] = Field(description="the precision the model ran in")
     precision_cosine: float | None = Field(
         description="smallest cosine of this precision's vectors to float32's on the start-up probe images "

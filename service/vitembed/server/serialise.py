@@ -86,6 +86,7 @@ def provenance(outcome: EmbedOutcome, dtype: str) -> dict[str, Any]:
         "interpolation": outcome.interpolation,
         "precision": outcome.precision,
         "preset": outcome.preset,
+        "size": None if outcome.size is None else list(outcome.size),
         "precision_cosine": outcome.precision_cosine,
     }
 

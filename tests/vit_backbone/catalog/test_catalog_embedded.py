@@ -1,6 +1,6 @@
-"""The catalog with the real embedded backbone and its defaults (default-v2: mean of block 8, trim_squash):
-each vector equals the library's ``Backbone.embed`` and the server's ``/v1/embed`` answer for the same file
-(float32)."""
+"""The catalog with the real embedded backbone and its defaults (default-v3: cls_mean_hflip of block 8,
+trim_squash into 98x98): each vector equals the library's ``Backbone.embed`` and the server's
+``/v1/embed`` answer for the same file (float32)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def test_embedded_catalog_equals_library_and_server(
     assert catalog.ids == [f"photo-{n}.{'jpg' if n % 2 == 0 else 'png'}" for n in range(len(sample_images))]
     backbone = load_backbone("embedded")
     meta = catalog.meta
-    facts = (meta.model, meta.pooling, meta.layers, meta.policy, meta.dim)
-    assert facts == ("embedded", "mean", [8], "trim_squash", 384)  # default-v2
+    facts = (meta.model, meta.pooling, meta.layers, meta.policy, meta.size, meta.dim, meta.preset)
+    assert facts == ("embedded", "cls_mean_hflip", [8], "trim_squash", [98, 98], 768, "default-v3")
     assert meta.revision == backbone.checkpoint.revision
     files = [(folder / i).read_bytes() for i in catalog.ids]
     np.testing.assert_allclose(catalog.embeddings, backbone.embed(files), rtol=0, atol=TOL)

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageEnhance
 from vitembed.cli.main import main
 
-from vit_backbone.catalog.dedup import above_threshold_pairs
+from vit_backbone.catalog.dedup import PRESET_THRESHOLDS, above_threshold_pairs, default_threshold
 from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.catalog.shards import build_table, write_shard
 
@@ -67,6 +67,7 @@ def test_cli_finds_the_planted_groups(tmp_path: Path, capsys: pytest.CaptureFixt
     found = dict(zip(table["id"], table["group"], strict=True))
     assert _pairwise(found) == _pairwise(truth)
     assert summary["groups"] == 3 and summary["rows_in_groups"] == 9 and summary["duplicates_to_drop"] == 6
+    assert (summary["threshold"], summary["threshold_source"]) == (0.9, "given")
     assert json.loads((tmp_path / "dups.parquet.summary.json").read_text())["groups"] == 3
     sims = np.asarray(table["similarity_to_representative"])
     assert (sims > 0.9).all() and np.isclose(sims, 1.0, atol=1e-6).sum() == 3  # one representative each
@@ -93,6 +94,43 @@ def _copies(photo: Image.Image, seed: int) -> list[bytes]:
         jpeg(boxed, 90),
         jpeg(photo.resize((w * 4 // 5, h * 2 // 3), Image.Resampling.BILINEAR), 85),
     ]
+
+
+def _meta(preset: str | None, **changes: object) -> CatalogMeta:
+    fields: dict[str, object] = {
+        "model": "embedded",
+        "revision": "r",
+        "preprocess_hash": "p",
+        "pooling": "cls_mean_hflip",
+        "layers": [8],
+        "size": [98, 98],
+        "policy": "trim_squash",
+        "normalized": False,
+        "dim": 768,
+        "dtype": "float32",
+        "preset": preset,
+    }
+    return CatalogMeta(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def test_the_default_threshold_is_the_one_calibrated_for_the_catalogs_own_features() -> None:
+    assert default_threshold(_meta("default-v3")) == (
+        PRESET_THRESHOLDS["default-v3"],
+        "calibrated for default-v3",
+    )
+    v2 = _meta("default-v2", pooling="mean", size=None, dim=384)
+    assert default_threshold(v2) == (PRESET_THRESHOLDS["default-v2"], "calibrated for default-v2")
+    # a preset's name with other options, another model, or no preset: the current default's, said so
+    for meta in (
+        _meta("default-v3", pooling="mean", dim=384),
+        _meta("default-v3", size=None),
+        _meta("default-v3", model="dinov2-small"),
+        _meta(None),
+        _meta("default-v1", pooling="mean", size=None, policy="pad", dim=384),
+    ):
+        threshold, source = default_threshold(meta)
+        assert source == "uncalibrated for these features: default-v3's", meta
+        assert threshold == PRESET_THRESHOLDS["default-v3"]
 
 
 @pytest.mark.slow
@@ -126,6 +164,8 @@ def test_dedup_on_real_photos_recovers_the_copies_not_similar_pictures(
     capsys.readouterr()
     out = tmp_path / "dups.parquet"
     assert main(["dedup", str(tmp_path / "cat"), "--out", str(out)]) == 0  # the default threshold
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["threshold_source"] == "calibrated for default-v3"
     table = pq.read_table(out).to_pydict()
     found = {Path(str(i)).stem: g for i, g in zip(table["id"], table["group"], strict=True)}
     got, want = _pairwise(found), _pairwise(truth)

@@ -61,7 +61,7 @@ def test_folder_catalog(tree: ImageTree, tiny: Backbone, run_cli: RunCli, tmp_pa
         dim=32,
         dtype="float32",
         precision="float32",
-        preset="default-v2",
+        preset="default-v3",
     )
     for path in paths:
         schema = pq.read_schema(path)

