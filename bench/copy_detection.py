@@ -474,35 +474,24 @@ def candidates(results: dict[str, Any]) -> list[dict[str, Any]]:
     for variant, by_key in results["variants"].items():
         for key, s in by_key.items():
             f = fashion.get(variant, {}).get(key) or fashion.get(_square_alias(variant), {}).get(key)
-            worst = min(t["r1"] for t in s["by_transform"].values())
-            rows.append(
-                {
-                    "variant": variant,
-                    "feature": key,
-                    "r1": s["r1"],
-                    "map": s["map"],
-                    "worst_row": worst,
-                    "fashion_r1": None if f is None else f["r1"],
-                    "fashion_map": None if f is None else f["map"],
-                    "meets": bool(s["r1"] >= 0.95 and worst >= 0.85 and f is not None and f["r1"] >= 0.712),
-                }
-            )
+            rows.append(_candidate(variant, key, s, f))
     for preset, s in results.get("presets", {}).items():
-        f = fashion_presets.get(preset)
-        worst = min(t["r1"] for t in s["by_transform"].values())
-        rows.append(
-            {
-                "variant": f"preset {preset}",
-                "feature": "Backbone.embed",
-                "r1": s["r1"],
-                "map": s["map"],
-                "worst_row": worst,
-                "fashion_r1": None if f is None else f["r1"],
-                "fashion_map": None if f is None else f["map"],
-                "meets": bool(s["r1"] >= 0.95 and worst >= 0.85 and f is not None and f["r1"] >= 0.712),
-            }
-        )
+        rows.append(_candidate(f"preset {preset}", "Backbone.embed", s, fashion_presets.get(preset)))
     return sorted(rows, key=lambda r: (-r["meets"], -r["r1"], -r["map"]))
+
+
+def _candidate(variant: str, feature: str, s: dict[str, Any], f: dict[str, float] | None) -> dict[str, Any]:
+    worst = min(t["r1"] for t in s["by_transform"].values())
+    return {
+        "variant": variant,
+        "feature": feature,
+        "r1": s["r1"],
+        "map": s["map"],
+        "worst_row": worst,
+        "fashion_r1": None if f is None else f["r1"],
+        "fashion_map": None if f is None else f["map"],
+        "meets": bool(s["r1"] >= 0.95 and worst >= 0.85 and f is not None and f["r1"] >= 0.712),
+    }
 
 
 def _square_alias(variant: str) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .pooling import NEEDS_CLS, POOLINGS, Pooling
+from .pooling_names import NEEDS_CLS, POOLINGS, Pooling
 from .preprocess import ResizePolicy
 
 if TYPE_CHECKING:

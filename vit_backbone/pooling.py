@@ -25,32 +25,15 @@ With several blocks, each block's pooled feature is concatenated in the order gi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, get_args
 
 import numpy as np
 import torch
 
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
+from .pooling_names import MIRRORED_SUFFIX, POOLINGS, Pooling
 
-Pooling = Literal[
-    "cls",
-    "pooler",
-    "projection",
-    "mean",
-    "cls_mean",
-    "gem",
-    "patch",
-    "linear_eval",
-    "cls_hflip",
-    "mean_hflip",
-    "cls_mean_hflip",
-    "gem_hflip",
-]
 WHOLE_NETWORK: tuple[str, ...] = ("pooler", "projection")  # the model's own heads: last block, full forward
-POOLINGS: tuple[str, ...] = get_args(Pooling)
-MIRRORED_SUFFIX = "_hflip"
-NEEDS_CLS: tuple[str, ...] = ("cls", "cls_mean", "linear_eval", "cls_hflip", "cls_mean_hflip")
 GEM_P = 3.0
 
 

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vit_backbone.pooling_names import POOLINGS
 from vit_backbone.presets import DEFAULT_PRESET, PRESET_NAMES
 from vitembed.cli.options import DEFAULT_DEVICE, DEVICE_HELP, add_layers, add_server, add_size
 from vitembed.cli.stop_signals import EXIT_CODES, StopOnSignals
@@ -29,19 +30,7 @@ if TYPE_CHECKING:
     from vit_backbone.catalog.job_folder import JobFile
     from vit_backbone.catalog.meta import CatalogMeta
 
-POOLING_CHOICES = (  # vit_backbone.pooling.POOLINGS less patch (no torch import for --help)
-    "cls",
-    "pooler",
-    "projection",
-    "mean",
-    "cls_mean",
-    "gem",
-    "linear_eval",
-    "cls_hflip",
-    "mean_hflip",
-    "cls_mean_hflip",
-    "gem_hflip",
-)
+POOLING_CHOICES = tuple(p for p in POOLINGS if p != "patch")  # a catalog stores one vector per image
 POLICY_CHOICES = ("crop", "squash", "pad", "dynamic", "trim_squash", "trim_pad")
 
 
