@@ -315,7 +315,7 @@ def offline_run() -> float:
             print(podman("logs", name, check_rc=False).stderr[-3000:])
             return float("nan")
         out = json.loads(podman("exec", name, "python", "-c", _EXEC_EMBED).stdout)
-        check(out == {"dim": 384, "n": 384, "precision": "float32"}, f"offline embedding served: {out}")
+        check(out == {"dim": 768, "n": 768, "precision": "float32"}, f"offline embedding served: {out}")
         threads = podman("exec", name, "python", "-c", _EXEC_THREADS).stdout.strip()
         logs = podman("logs", name).stderr + podman("logs", name).stdout
         check(

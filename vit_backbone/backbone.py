@@ -45,7 +45,7 @@ from .preprocess import (
     stack,
     stack_valid,
 )
-from .preprocess_config import SizeArg, nearest_multiples, square_size
+from .preprocess_config import NATIVE, SizeChoice, nearest_multiples, square_size
 from .presets import DEFAULT_PRESET, check_preset
 from .projection import ImageProjection
 from .specs import InterpolationRule, ResampleMethod
@@ -181,11 +181,14 @@ class Backbone:
         return chosen_pooling, self.resolve_layers(chosen)
 
     def choose_size(
-        self, size: SizeArg | None, preset: str | None = None, pooling: str | None = None
+        self, size: SizeChoice | None, preset: str | None = None, pooling: str | None = None
     ) -> tuple[int, int] | None:
-        """The box a call uses: what it asks for (one number: a square), else the preset's (None: this
-        backbone's defaults); None means the model's native size. A preset's box was chosen for its vector
-        feature: dense output (``pooling="patch"``) keeps the native box unless a size is given."""
+        """The box a call uses: what it asks for (one number: a square; ``"native"``: the model's own),
+        else the preset's (None: this backbone's defaults); None means the model's native size. A preset's
+        box was chosen for its vector feature: dense output (``pooling="patch"``) keeps the native box
+        unless a size is given."""
+        if size == NATIVE:
+            return None
         chosen = square_size(size)
         if chosen is not None or pooling == "patch":
             return chosen
@@ -355,7 +358,7 @@ class Backbone:
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        size: SizeArg | None = None,
+        size: SizeChoice | None = None,
         policy: ResizePolicy | None = None,
         draft: bool = True,
         preset: str | None = None,
@@ -417,7 +420,7 @@ class Backbone:
         *,
         pooling: Pooling | None = None,
         layers: LayersArg = None,
-        size: SizeArg | None = None,
+        size: SizeChoice | None = None,
         policy: ResizePolicy | None = None,
         normalize: bool = False,
         batch_size: int = 8,
@@ -444,7 +447,7 @@ class Backbone:
         *,
         pooling: Pooling | None = None,
         layers: LayersArg = None,
-        size: SizeArg | None = None,
+        size: SizeChoice | None = None,
         policy: ResizePolicy | None = None,
         normalize: bool = False,
         batch_size: int = 8,

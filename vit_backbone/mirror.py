@@ -10,7 +10,16 @@ centring margin: the batch is mirrored after preprocessing, and the validity mas
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+
+from .pooling_names import MIRRORED_SUFFIX
+
+
+def is_mirrored(pooling: str) -> bool:
+    """A pooling averaged over the image and its mirror (needs the mirrored pass)."""
+    return pooling.endswith(MIRRORED_SUFFIX)
 
 
 def with_mirror(
@@ -28,6 +37,13 @@ def fold_mirror(pooled: torch.Tensor) -> torch.Tensor:
     half = pooled.shape[0] // 2
     unit = torch.nn.functional.normalize(pooled.float(), dim=-1)  # [2b, F]
     return ((unit[:half] + unit[half:]) / 2).to(pooled.dtype)  # [b, F]
+
+
+def forward_passes(poolings: Iterable[str]) -> int:
+    """How many images' worth of forward pass one image costs when these poolings share its pass: 2 when any
+    is mirror-averaged (the mirror image runs beside it), else 1. Batch limits and throughput estimates
+    count an image's tokens times this."""
+    return 2 if any(is_mirrored(p) for p in poolings) else 1
 
 
 def original_half(pooled: torch.Tensor) -> torch.Tensor:

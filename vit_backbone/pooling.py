@@ -31,6 +31,7 @@ import torch
 
 from .errors import InvalidOptionError
 from .features import Features, LayerTokens
+from .mirror import is_mirrored
 from .pooling_names import MIRRORED_SUFFIX, POOLINGS, Pooling
 
 WHOLE_NETWORK: tuple[str, ...] = ("pooler", "projection")  # the model's own heads: last block, full forward
@@ -41,11 +42,6 @@ def check_pooling(pooling: str) -> Pooling:
     if pooling not in POOLINGS:
         raise InvalidOptionError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
     return pooling  # type: ignore[return-value]
-
-
-def is_mirrored(pooling: str) -> bool:
-    """A pooling averaged over the image and its mirror (the mirrored pass: ``vit_backbone.mirror``)."""
-    return pooling.endswith(MIRRORED_SUFFIX)
 
 
 def unmirrored(pooling: Pooling) -> Pooling:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
@@ -195,6 +195,15 @@ def _check_hw(
 
 
 SizeArg = int | tuple[int, int]  # one number means a square: 256 is 256x256 (CLI, HTTP and library alike)
+# ``size=NATIVE`` asks for the model's own box whatever the preset's: how stored options (a catalog's, an
+# index's, a head card's ``size: null``, written when it meant the native box) are replayed
+NATIVE: Literal["native"] = "native"
+SizeChoice = SizeArg | Literal["native"]
+
+
+def literal_size(stored: Sequence[int] | None) -> tuple[int, int] | Literal["native"]:
+    """A stored size (catalog, index, head card) taken literally: null is the native box, never a preset's."""
+    return NATIVE if stored is None else (int(stored[0]), int(stored[1]))
 
 
 def square_size(size: SizeArg | None) -> tuple[int, int] | None:

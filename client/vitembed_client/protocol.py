@@ -36,7 +36,7 @@ EMBED_OPTIONS = (
 CLASSIFY_OPTIONS = ("head", "k", "top_k", "upsample", "upsample_mode")  # top_k: alias of k
 PROVENANCE_PREFIX = "x-vitembed-"
 # provenance headers whose values are JSON (the others are plain strings, sent as they are)
-_JSON_PROVENANCE = frozenset({"layers", "normalized", "precision_cosine", "dim", "grids", "valid"})
+_JSON_PROVENANCE = frozenset({"layers", "normalized", "precision_cosine", "dim", "grids", "valid", "size"})
 
 # a path (str or PathLike), encoded image bytes, or a PIL image (sent losslessly as PNG)
 ImageInput = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Any]

@@ -346,6 +346,7 @@ async def test_the_view_and_the_tokens_share_the_native_box_under_a_presets_box(
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["grid"] == [4, 4] and body["size"] == [56, 56]
+        assert np.array(body["pca"]["rgb"]).shape[:2] == (4, 4)  # the tokens' grid, not only the view's
         assert list(png_pixels(body["view"]).shape) == [56, 56, 3]
         embedded = await server.client.post("/v1/embed", files={"image": photo}, data={"return_grid": "true"})
         assert embedded.status_code == 200, embedded.text

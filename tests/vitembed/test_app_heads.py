@@ -354,7 +354,7 @@ async def test_refusals_have_exact_bodies(
             {
                 "code": "head_options_mismatch",
                 "message": "head 'seg' reads images prepared with policy=squash size=112,112; this request "
-                "uses policy=crop size=default: send the head's policy and size with this request",
+                "uses policy=crop size=native: send the head's policy and size with this request",
             },
         ),
         (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -168,3 +168,54 @@ async def test_the_embedded_default_is_default_v3_and_default_v2_stays_by_name(
         assert response.status_code == 200, response.text
         assert response.json()["provenance"]["size"] == [224, 224]
         assert [item["grid"] for item in response.json()["data"]] == [[16, 16], [16, 16]]
+
+
+async def test_stored_options_with_no_size_keep_the_native_box_when_the_default_gains_one(
+    serve: OpenServer, make_checkpoint: Any, images: Images, tmp_path: Path
+) -> None:
+    """An index and a head built when the default had no box (``size: null`` = the native box) keep
+    embedding their queries at the native box after the checkpoint's defaults gain one (as the embedded
+    backbone's did with default-v3): the library's and the server's searches find the query's own row at
+    cosine 1, and head probabilities do not change."""
+    import json
+
+    from vit_backbone.catalog.index_search import embed_queries
+    from vit_backbone.heads.predict import predict_proba
+
+    model = make_checkpoint("dinov2", seed=11)  # native 56x56, no vitembed.json yet
+    folder = tmp_path / "photos"
+    for i in range(6):
+        (folder / ("red" if i % 2 else "blue")).mkdir(parents=True, exist_ok=True)
+        (folder / ("red" if i % 2 else "blue") / f"p{i}.jpg").write_bytes(images.jpeg(60 + 9 * i, 80, seed=i))
+    catalog, db, head_file = tmp_path / "cat", tmp_path / "db", tmp_path / "head.safetensors"
+    argv = ["embed-catalog", str(folder), "--out", str(catalog), "--model", f"m={model}", "--normalize"]
+    assert main([*argv, "--precision", "float32"]) == 0
+    build_index(catalog, db, "items")
+    train = ["heads", "train", "--data", str(folder), "--out", str(head_file), "--model", str(model)]
+    assert main([*train, "--no-cache", "--val-fraction", "0.34"]) == 0
+    assert SimilarityIndex.open(db, "items").meta.size is None and load_head(head_file).card.size is None
+    query = (folder / "red" / "p3.jpg").read_bytes()
+    before = predict_proba(load_backbone(model), load_head(head_file), [query])  # [1, 2]
+
+    defaults = {"pooling": "mean_hflip", "policy": "squash", "size": [28, 28]}
+    (model / "vitembed.json").write_text(json.dumps({"defaults": defaults}))  # the default changes
+    bb = load_backbone(model)
+    assert bb.embed_result([query]).size == (28, 28)  # new requests get the box
+    index = SimilarityIndex.open(db, "items")
+    top = index.search(embed_queries(bb, index.meta, [query])[0], k=1)[0]
+    assert top.id.endswith("p3.jpg") and top.score == pytest.approx(1.0, abs=TOL)
+    np.testing.assert_allclose(predict_proba(bb, load_head(head_file), [query]), before, rtol=0, atol=TOL)
+    async with serve(
+        models={"m": str(model)}, indexes={"items": f"{db}:items"}, heads={"h": str(head_file)}
+    ) as server:
+        response = await server.client.post("/v1/search", files=[("image", ("q.jpg", query, "image/jpeg"))])
+        assert response.status_code == 200, response.text
+        hit = response.json()["data"][0]["results"][0]
+        assert hit["id"].endswith("p3.jpg") and hit["score"] == pytest.approx(1.0, abs=TOL)
+        response = await server.client.post(
+            "/v1/classify", files=[("image", ("q.jpg", query, "image/jpeg"))], data={"head": "h", "k": "2"}
+        )
+        assert response.status_code == 200, response.text
+        served = {label["label"]: label["probability"] for label in response.json()["data"][0]["labels"]}
+        expected = dict(zip(load_head(head_file).card.classes, before[0].tolist(), strict=True))
+        assert served == pytest.approx(expected, abs=TOL)

@@ -51,6 +51,7 @@ from vit_backbone.catalog.index_build import (
 from vit_backbone.catalog.item_images import IMAGES_META_KEY, ImageSource
 from vit_backbone.catalog.meta import META_KEY, CatalogMeta
 from vit_backbone.errors import InvalidOptionError, VitEmbedError
+from vit_backbone.preprocess_config import literal_size
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -366,7 +367,7 @@ def embed_options(meta: CatalogMeta) -> dict[str, Any]:
     return {
         "pooling": meta.pooling,
         "layers": None if meta.layers is None else list(meta.layers),
-        "size": None if meta.size is None else (meta.size[0], meta.size[1]),
+        "size": literal_size(meta.size),  # null: the native box, whatever the current preset's
         "policy": meta.policy,
         "normalize": meta.normalized,
     }

@@ -44,6 +44,7 @@ from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.catalog.sources import Source, SourceItem
 from vit_backbone.errors import MissingExtraError, VitEmbedError
 from vit_backbone.preprocess import Prepared, PreprocessConfig, Preprocessor
+from vit_backbone.preprocess_config import literal_size
 
 
 def require_ray() -> None:
@@ -212,7 +213,12 @@ def _probe_precision(
     from vit_backbone.precision import pick_device
 
     backbone = load_backbone(model, device=pick_device(device))
-    options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
+    options = {
+        "pooling": meta.pooling,
+        "layers": meta.layers,
+        "size": literal_size(size),
+        "policy": meta.policy,
+    }
     return choose_precision(backbone, "auto", batch_size=batch, **options).label
 
 

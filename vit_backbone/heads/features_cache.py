@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ImageDecodeError
+from ..preprocess_config import literal_size
 
 if TYPE_CHECKING:
     from ..backbone import Backbone
@@ -172,6 +173,7 @@ def _prepare(
 ) -> Prepared:
     """One image, or an error that names its file (a training set must not shrink silently)."""
     try:
-        return backbone.prepare(data, size=size, policy=backbone.check_policy(policy))[0]
+        # the size as trained (None: the native box), never a preset's
+        return backbone.prepare(data, size=literal_size(size), policy=backbone.check_policy(policy))[0]
     except ImageDecodeError as exc:
         raise ImageDecodeError(f"{path}: {exc}", code=exc.code) from exc

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidOptionError
+from ..preprocess_config import literal_size
 from .base import Head
 from .card import HeadCard
 from .compat import check_compatible
@@ -48,7 +49,7 @@ def _prepare(
 ) -> tuple[HeadInputs, list[Prepared]]:
     check_compatible(head.card, backbone)
     inputs = head_inputs(head.card, backbone)
-    return inputs, backbone.prepare(list(images), size=inputs.size, policy=inputs.policy)
+    return inputs, backbone.prepare(list(images), size=literal_size(inputs.size), policy=inputs.policy)
 
 
 def predict_proba(

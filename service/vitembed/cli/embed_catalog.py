@@ -408,6 +408,7 @@ def _precision(
 
     from vit_backbone.catalog.precision import apply_precision, choose_precision
     from vit_backbone.errors import InvalidOptionError
+    from vit_backbone.preprocess_config import literal_size
 
     if found is not None and found.record.precision_used:
         apply_precision(backbone, found.record.precision_used)
@@ -417,10 +418,12 @@ def _precision(
         if precision == "auto":
             from vit_backbone.catalog.ray_engine import decide_precision
 
-            precision = decide_precision(_ray_model(args), meta, size, batch_size)
+            stored = None if meta.size is None else (meta.size[0], meta.size[1])
+            precision = decide_precision(_ray_model(args), meta, stored, batch_size)
             print(f"embed-catalog: --precision auto -> {precision}, decided on a Ray worker", file=sys.stderr)
     else:
-        options = {"pooling": meta.pooling, "layers": meta.layers, "size": size, "policy": meta.policy}
+        options = {"pooling": meta.pooling, "layers": meta.layers, "size": literal_size(meta.size)}
+        options["policy"] = meta.policy
         try:
             precision = choose_precision(backbone, args.precision, batch_size=batch_size, **options).label
         except ValueError as exc:

@@ -49,7 +49,7 @@ from vitembed.cli.remote import ServerError, describe
 
 ProgressFn = Callable[[int, int], None]
 # provenance that must stay the probe's for every answer (else the vectors are not comparable)
-CHECKED = ("revision", "preprocess_hash", "pooling", "layers", "policy", "precision")
+CHECKED = ("revision", "preprocess_hash", "pooling", "layers", "policy", "precision", "size")
 # a lone image's error without an index (the body or the forward failed as a whole) -> its errors.jsonl code
 LONE_CODES = {"body_too_large": "too_large", "internal": INTERNAL_ERROR}
 

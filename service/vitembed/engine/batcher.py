@@ -68,7 +68,7 @@ class RequestTicket:
 class WorkItem:
     prepared: Prepared
     key: BatchKey
-    tokens: int  # sequence length of this item (patches + prefix tokens)
+    tokens: int  # cost of this item: sequence length (patches + prefix), times 2 for a mirrored pooling
     ticket: RequestTicket
     reservation: Reservation | None = None  # its request's admission (None only in tests of the batcher)
     future: Future[Any] = field(default_factory=Future)  # one row of what RunBatch returns

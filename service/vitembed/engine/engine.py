@@ -25,6 +25,7 @@ from vit_backbone.backbone import Backbone
 from vit_backbone.cpu_quota import available_cpus
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.errors import ModelNotFoundError, VitEmbedError
+from vit_backbone.mirror import forward_passes
 from vit_backbone.pooling import check_pooling, pooled_array
 from vit_backbone.precision import PrecisionChoice, pick_device, to_device
 from vit_backbone.preprocess import Prepared, check_token_budget, stack, stack_valid
@@ -222,10 +223,11 @@ class Engine:
             served.check_size(policy, size, self.settings.max_tokens_per_image)
         head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
-        reservation = self._admit(served, len(images), policy, size, deadline)
+        passes = forward_passes([pooling, *(h.inputs.pooling for h in heads)])  # 2: a mirrored pooling
+        reservation = self._admit(served, len(images), policy, size, deadline, passes)
         try:
             prepared = await self._prepare_all(served, images, policy, size, ticket)
-            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation)
+            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation, passes)
         finally:
             reservation.release()  # whatever never reached the queue (an error, a cancellation)
         outputs = [row[1] for row in rows] if heads else []
@@ -262,11 +264,12 @@ class Engine:
         if inputs.size is not None:
             served.check_size(inputs.policy, inputs.size, self.settings.max_tokens_per_image)
         layers = None if inputs.layers is None else tuple(inputs.layers)
-        reservation = self._admit(served, len(images), inputs.policy, inputs.size, deadline)
+        passes = forward_passes([inputs.pooling])
+        reservation = self._admit(served, len(images), inputs.policy, inputs.size, deadline, passes)
         try:
             prepared = await self._prepare_all(served, images, inputs.policy, inputs.size, ticket)
             key_tail = (inputs.pooling, layers, False, (head,))
-            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation)
+            rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation, passes)
         finally:
             reservation.release()
         return ClassifyOutcome(
@@ -287,6 +290,7 @@ class Engine:
         ticket: RequestTicket,
         deadline: float,
         reservation: Reservation,
+        passes: int = 1,
     ) -> list[Any]:
         """Queue one request's images for the forward thread and wait for their rows, in input order."""
         prefix = served.backbone.prefix_tokens
@@ -294,7 +298,7 @@ class Engine:
             WorkItem(
                 prepared=p,
                 key=(p.grid, *key_tail),
-                tokens=p.grid[0] * p.grid[1] + prefix,
+                tokens=(p.grid[0] * p.grid[1] + prefix) * passes,
                 ticket=ticket,
                 reservation=reservation,
             )
@@ -346,7 +350,9 @@ class Engine:
         self._get(model).load.drop_lease(lease)
 
     def _check_early(self, served: ServedModel, deadline: float, lease: bool) -> int | None:
-        tokens = served.expected_tokens(served.backbone.check_policy(None), served.backbone.choose_size(None))
+        bb = served.backbone
+        tokens = served.expected_tokens(bb.check_policy(None), bb.choose_size(None))
+        tokens *= forward_passes([bb.defaults.pooling])  # a default request's cost (2: mirrored)
         try:
             checked = served.load.admit(1, tokens, deadline - time.monotonic(), reserve=False, lease=lease)
         except QueueFullError as refused:
@@ -359,10 +365,16 @@ class Engine:
         self.metrics.admission.labels(served.name, refused.reason).inc()
 
     def _admit(
-        self, served: ServedModel, count: int, policy: str, size: tuple[int, int] | None, deadline: float
+        self,
+        served: ServedModel,
+        count: int,
+        policy: str,
+        size: tuple[int, int] | None,
+        deadline: float,
+        passes: int = 1,
     ) -> Reservation:
         """Reserve room for ``count`` images before any is decoded, or refuse (``QueueFullError``, 429)."""
-        tokens = served.expected_tokens(policy, size)
+        tokens = served.expected_tokens(policy, size) * passes
         held = _LEASE.get()
         own_lease = held[1] if held is not None and held[0] == served.name else None
         if held is not None:

@@ -4,6 +4,7 @@ errors the engine raises (the HTTP layer maps them to statuses). No behaviour he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -28,7 +29,8 @@ class NotReadyError(Exception):
 class EmbedOptions:
     pooling: str | None = None
     layers: tuple[int, ...] | None = None
-    size: tuple[int, int] | None = None
+    # None: the preset's box; "native": the model's own (how an index's stored null size is replayed)
+    size: tuple[int, int] | Literal["native"] | None = None
     policy: str | None = None
     normalize: bool = False
     heads: tuple[str, ...] = ()  # heads computed from the same forward pass

@@ -177,7 +177,7 @@ def select_heads(
 
 
 def _size(size: tuple[int, int] | None) -> str:
-    return "default" if size is None else f"{size[0]},{size[1]}"
+    return "native" if size is None else f"{size[0]},{size[1]}"
 
 
 def pool_requests(

@@ -25,6 +25,7 @@ from vit_backbone.catalog.meta import CatalogMeta
 from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_matching
 from vit_backbone.errors import SizeError, VitEmbedError
 from vit_backbone.preprocess import check_token_budget
+from vit_backbone.preprocess_config import literal_size
 from vitembed.engine.request_types import EmbedOptions
 from vitembed.settings import ServiceSettings, split_index_target
 from vitembed.settings_error import SettingsError
@@ -161,7 +162,7 @@ def _bind(settings: ServiceSettings, engine: Engine, name: str, target: str) -> 
     options = EmbedOptions(
         pooling=meta.pooling,
         layers=None if meta.layers is None else tuple(meta.layers),
-        size=None if meta.size is None else (meta.size[0], meta.size[1]),
+        size=literal_size(meta.size),  # null: the native box, whatever the current preset's
         policy=meta.policy,
         normalize=meta.normalized,
     )

@@ -17,6 +17,7 @@ from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.embedded import default_cache_dir
+from vit_backbone.mirror import forward_passes
 from vit_backbone.precision import MIN_COSINE, PrecisionChoice, choose_autocast, probe_images, to_device
 from vit_backbone.preprocess import Preprocessor, check_token_budget, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad
@@ -150,12 +151,13 @@ def seed_estimate(
     prepared = preprocessor(
         probe_images()[0], policy=backbone.check_policy(None), size=backbone.choose_size(None)
     )
-    tokens = prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens
+    pooling, layers = backbone.choose(None, None)
+    # an image's cost in the batcher's units: its tokens, twice for a mirrored pooling (vit_backbone.mirror)
+    tokens = (prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens) * forward_passes([pooling])
     count = max(1, min(settings.max_batch_size, settings.max_batch_tokens // tokens))
     pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
     valid = stack_valid([prepared] * count)  # [count, h, w] or None
     pixel_values = to_device(pixel_values, backbone.device)
-    pooling, layers = backbone.choose(None, None)
     started = time.perf_counter()
     backbone.pooled(pixel_values, pooling, layers, valid=valid)
     load.observe(tokens, count, time.perf_counter() - started)
