@@ -31,6 +31,7 @@ from vit_backbone.heads.train import split
 from vit_backbone.pooling import Pooling
 from vit_backbone.precision import min_cosine
 from vit_backbone.preprocess import stack
+from vit_backbone.preprocess_config import NATIVE
 
 POOLING: Pooling = "mean"  # the embedded backbone's defaults
 LAYERS = [8]
@@ -52,7 +53,7 @@ def features(bb: Backbone, images: np.ndarray, batch_size: int = 8) -> np.ndarra
     out = []
     for start in range(0, len(images), batch_size):
         pil = [Image.fromarray(a).convert("RGB") for a in images[start : start + batch_size]]
-        pixel_values, _ = stack(bb.prepare(pil))  # [b, 3, 224, 224] (policy pad)
+        pixel_values, _ = stack(bb.prepare(pil, size=NATIVE))  # [b, 3, 224, 224] (the default policy)
         out.append(bb.pooled(pixel_values, POOLING, LAYERS).float().numpy())  # [b, 384]
     return np.concatenate(out)
 

@@ -35,6 +35,7 @@ from vit_backbone.heads.knn import fit_knn, knn_proba
 from vit_backbone.heads.linear import fit_softmax
 from vit_backbone.heads.train import split
 from vit_backbone.preprocess import stack
+from vit_backbone.preprocess_config import NATIVE
 
 FEATURES: dict[str, tuple[Any, list[int]]] = {
     "mean, block 8 (default)": ("mean", [8]),
@@ -50,7 +51,7 @@ def embed(images: np.ndarray, batch_size: int) -> tuple[dict[str, np.ndarray], f
     started = time.perf_counter()
     for start in range(0, len(images), batch_size):
         pil = [Image.fromarray(a).convert("RGB") for a in images[start : start + batch_size]]
-        pixel_values, _ = stack(bb.prepare(pil))  # defaults: pad to 224x224
+        pixel_values, _ = stack(bb.prepare(pil, size=NATIVE))  # 224x224, the default policy
         for name, tensor in zip(FEATURES, bb.pooled_many(pixel_values, requests), strict=True):
             out[name].append(tensor.float().numpy())
         if start // batch_size % 50 == 0:

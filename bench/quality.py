@@ -45,6 +45,7 @@ from vit_backbone import Backbone, load_backbone
 from vit_backbone.catalog.eval_retrieval import read_idx
 from vit_backbone.features import Features
 from vit_backbone.preprocess import Prepared, ResizePolicy, stack
+from vit_backbone.preprocess_config import NATIVE
 from vit_backbone.retrieval import (
     RetrievalScores,
     cosine_scores,
@@ -277,7 +278,7 @@ def embed_all(
 ) -> dict[Key, np.ndarray]:
     """Every pooled feature of every image under ``policy``: one forward per image, grouped by grid."""
     keys = feature_keys(bb.depth)
-    size = DYNAMIC_SIZE if policy == "dynamic" else None
+    size = DYNAMIC_SIZE if policy == "dynamic" else NATIVE  # 224: this bench's box, whatever the preset's
     chunk = len(items) if policy == "dynamic" else 256  # dynamic: group the whole set to fill batches
     out: dict[Key, np.ndarray] = {}
     started, forward_before = time.perf_counter(), stats.forward_s
@@ -657,8 +658,8 @@ def write_markdown(path: Path, report: dict[str, Any]) -> str:
 
 def check_square_aliases(bb: Backbone, images: Sequence[Image.Image]) -> None:
     """pad and dynamic (at the 224 budget) must give squash's exact pixels on square inputs."""
-    squash = bb.prepare(list(images), policy="squash", draft=False)
-    for policy, size in (("pad", None), ("dynamic", DYNAMIC_SIZE)):
+    squash = bb.prepare(list(images), policy="squash", size=NATIVE, draft=False)
+    for policy, size in (("pad", NATIVE), ("dynamic", DYNAMIC_SIZE)):
         other = bb.prepare(list(images), policy=policy, size=size, draft=False)  # type: ignore[arg-type]
         for a, b in zip(squash, other, strict=True):
             if not torch.equal(a.pixel_values, b.pixel_values):
