@@ -10,6 +10,7 @@ import pytest
 from vitembed.engine.admission import (
     ADMITTED,
     DEADLINE,
+    ESTIMATE_KEYS,
     LEASE_S,
     QUEUE_DELAY,
     QUEUE_FULL,
@@ -327,3 +328,62 @@ def test_a_passed_check_holds_a_place_while_its_body_is_read() -> None:
     assert load.admit(1, 100, 30.0, reserve=False, lease=True).lease is not None
     with pytest.raises(QueueFullError):
         load.admit(1, 100, 30.0, reserve=False)
+
+
+def test_the_default_calibration_never_predicts_shorter_than_the_forward_passes() -> None:
+    """A calm spell (requests finishing faster than the lagging estimate) must not lower the predictions: a
+    flood arriving next would be admitted on them, past what it can serve within the target."""
+    calibration = WaitCalibration()
+    for _ in range(500):
+        calibration.observe(predicted_s=2.0, actual_s=1.0)
+    assert calibration.factor == 1.0
+    calibration.observe(predicted_s=1.0, actual_s=3.0)
+    assert calibration.factor > 1.0
+
+
+def test_waits_shortened_by_work_dropped_ahead_of_them_do_not_calibrate() -> None:
+    """0.125 s per image. Eight requests queue; the first four are dropped (their clients left), so the
+    others wait half their prediction: those waits say nothing about the estimate and leave the factor
+    alone. A request admitted after the drop calibrates as usual."""
+    control = AdmissionControl(capacity=256, target_s=2.0, spread_retries=False)
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)
+    queued = [load.admit(1, 100, deadline_left_s=30.0) for _ in range(8)]
+    assert [r.uncalibrated_wait_s for r in queued][-1] == 1.0
+    factor = load.calibration.factor
+    for gone in queued[:4]:
+        gone.release()  # dropped before its forward pass
+    for waited in queued[4:]:
+        load.settle(waited, actual_wait_s=3.0 * waited.uncalibrated_wait_s)  # would raise the factor
+    assert load.calibration.factor == factor
+    later = load.admit(1, 100, deadline_left_s=30.0)  # four images still ahead of it: 0.625 s with its own
+    assert later.uncalibrated_wait_s == 0.625
+    load.settle(later, actual_wait_s=1.25)
+    assert load.calibration.factor > factor
+
+
+def test_a_full_check_does_not_count_places_leased_to_heads_still_sending_their_bodies() -> None:
+    """Eight heads hold leases for a 1 s target at 0.125 s per image, so a ninth head is refused. A request
+    whose body is in (a full check) queues ahead of those still arriving: it is admitted on the queue
+    itself, and the hard cap still counts the leased places."""
+    clock = [100.0]
+    control = AdmissionControl(capacity=9, target_s=1.0, spread_retries=False, clock=lambda: clock[0])
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)
+    for _ in range(8):
+        load.admit(1, 100, 30.0, reserve=False, lease=True)
+    with pytest.raises(QueueFullError):
+        load.admit(1, 100, 30.0, reserve=False, lease=True)
+    admitted = load.admit(1, 100, 30.0)  # a body in, no lease of its own (its model was named in the body)
+    assert admitted.uncalibrated_wait_s == 0.125 and control.held == 1
+    with pytest.raises(QueueFullError) as refused:  # 1 reserved + 8 leased: the hard cap of 9 is reached
+        load.admit(1, 100, 30.0)
+    assert refused.value.reason == QUEUE_FULL
+
+
+def test_the_estimate_forgets_the_least_recently_measured_token_counts() -> None:
+    estimate = ThroughputEstimate(window=2)
+    for tokens in range(1, ESTIMATE_KEYS + 2):  # one token count more than it remembers
+        estimate.observe(tokens * 100, 1, tokens * 0.01)
+    assert estimate.per_image_s(200) == pytest.approx(0.02)
+    assert estimate.per_image_s(100) == pytest.approx(0.02 * 100 / 200)  # forgotten: scaled from 200

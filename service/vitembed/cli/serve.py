@@ -19,8 +19,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--port": ("port", int, "port (default 8000)"),
     "--device": ("device", str, "cpu | cuda | auto (default auto: CUDA when available, else the CPU)"),
     "--precision": ("precision", str, "auto | float32 | bfloat16 | float16 (default auto)"),
-    "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 8)"),
-    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass (default 10960)"),
+    "--max-batch-size": ("max_batch_size", int, "images per forward pass (default 16)"),
+    "--max-batch-tokens": ("max_batch_tokens", int, "patch tokens per forward pass (default 2056)"),
     "--max-wait-ms": ("max_wait_ms", float, "how long a batch waits to fill (default 5)"),
     "--queue-size": ("queue_size", int, "images queued before 429 (default 256)"),
     "--queue-delay-target-s": (

@@ -44,7 +44,10 @@ CALIBRATION_MIN_PREDICTED_S = 0.5
 # lowered it more but cost a fifth of the goodput at 256 clients: a shorter queue fills smaller batches)
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_STEP = 0.05  # relative change of the factor per request that waited longer than it predicted
-CALIBRATION_BOUNDS = (0.75, 4.0)  # how far the factor may scale predictions down and up
+# how far the factor may scale predictions down and up. Never down: a calm spell (the forward thread alone
+# with the GIL, requests finishing faster than the estimate, which lags by its window) pulled the factor to
+# 0.8, and a flood arriving next was admitted on that, 40 % past what it could serve within the target
+CALIBRATION_BOUNDS = (1.0, 4.0)
 # Retry-After spreading (``RetrySpread``): refused callers are told to come back at different whole seconds so
 # that, together, they return at about this many times the model's throughput
 SPREAD_RETURN_FACTOR = 2.0
@@ -105,6 +108,9 @@ class ThroughputEstimate:
     def __init__(self, window: int = ESTIMATE_WINDOW) -> None:
         self._window = window
         self._passes: dict[int, deque[tuple[int, float]]] = {}  # tokens -> (images, seconds)
+        # tokens -> seconds per image over its window, kept with the window: admission asks for it on every
+        # request head and once per leased place, hundreds of times per forward pass under a flood
+        self._per_image: dict[int, float] = {}
 
     def observe(self, tokens: int, images: int, seconds: float) -> None:
         if images < 1 or seconds < 0:
@@ -112,18 +118,19 @@ class ThroughputEstimate:
         passes = self._passes.pop(tokens, None) or deque(maxlen=self._window)
         passes.append((images, seconds))
         self._passes[tokens] = passes  # re-inserted: the dict's order is least recently observed first
+        self._per_image[tokens] = sum(s for _, s in passes) / sum(n for n, _ in passes)
         while len(self._passes) > ESTIMATE_KEYS:
+            del self._per_image[next(iter(self._passes))]
             del self._passes[next(iter(self._passes))]
 
     def per_image_s(self, tokens: int) -> float | None:
-        passes = self._passes.get(tokens)
-        if passes:
-            return sum(s for _, s in passes) / sum(n for n, _ in passes)
-        if not self._passes:
+        known = self._per_image.get(tokens)
+        if known is not None:
+            return known
+        if not self._per_image:
             return None
-        nearest = min(self._passes, key=lambda known: abs(known - tokens))
-        known = self.per_image_s(nearest)
-        return None if known is None else known * tokens / max(1, nearest)
+        nearest = min(self._per_image, key=lambda measured: abs(measured - tokens))
+        return self._per_image[nearest] * tokens / max(1, nearest)
 
 
 class WaitCalibration:
@@ -249,6 +256,7 @@ class Reservation:
         self.uncalibrated_wait_s = predicted_wait_s if uncalibrated_wait_s is None else uncalibrated_wait_s
         self.admitted_at = time.monotonic()
         self.lease: int | None = None  # a check's place held while the body is read (``ModelLoad.admit``)
+        self.released_before = load.released_images  # images that had left the queue unserved at admission
 
     def release(self, count: int | None = None) -> None:
         """``count`` images (all remaining by default) leave without a forward pass: dropped or failed."""
@@ -272,6 +280,7 @@ class ModelLoad:
         self._running_since = 0.0
         self._leases: dict[int, tuple[float, int, int]] = {}  # id -> (expires at, images, tokens)
         self._next_lease = 0
+        self.released_images = 0  # images that left the queue without a forward pass, ever (``release``)
 
     # ------------------------------------------------------------------ the request side
     def admit(
@@ -289,7 +298,8 @@ class ModelLoad:
         ``reserve=False`` only checks (the early refusal before a body is read); with ``lease`` a request
         that passes holds a place for ``LEASE_S`` (its id in ``Reservation.lease``), so that requests whose
         heads arrive while its body is read see the queue it is about to join and are refused on their heads,
-        before their own bodies are read, rather than after. The full check gives back ``own_lease``."""
+        before their own bodies are read, rather than after. The full check gives back ``own_lease``.
+        """
         control = self._control
         with control.lock:
             now = control.clock()
@@ -297,7 +307,11 @@ class ModelLoad:
                 self._leases.pop(own_lease, None)
             leased_images, leased_s = self._leased(now)
             per_image = self.estimate.per_image_s(tokens) or 0.0
-            ahead = self._ahead_s() + leased_s
+            # a check on a head waits behind the places leased before it; a full check (its body is in) does
+            # not: the leased requests still reading their bodies will queue behind it. Counting them ahead
+            # overstated a flood's waits by a quarter, which the calibration then cut from every prediction,
+            # so that a burst of heads arriving together (all leased, none yet queued) was over-admitted
+            ahead = self._ahead_s() + (leased_s if not reserve else 0.0)
             factor = self.calibration.factor
             decision = decide(
                 images=images,
@@ -370,9 +384,14 @@ class ModelLoad:
             return self.batch_wait_s + self.calibration.factor * (self._ahead_s() + images * per_image)
 
     def settle(self, reservation: Reservation, actual_wait_s: float) -> None:
-        """An admitted request got its last row ``actual_wait_s`` after admission: calibrate predictions."""
+        """An admitted request got its last row ``actual_wait_s`` after admission: calibrate predictions,
+        unless images left the queue unserved while it waited (dropped: a client gone, a deadline passed; or
+        failed). Its wait then says nothing about the estimate: when a flood's clients all left at once, the
+        requests still queued behind their dropped work waited a fraction of their prediction, and ~130 such
+        ratios pulled the factor to its floor, so the next flood was admitted a third past the target."""
         with self._control.lock:
-            self.calibration.observe(reservation.uncalibrated_wait_s, actual_wait_s)
+            if self.released_images == reservation.released_before:
+                self.calibration.observe(reservation.uncalibrated_wait_s, actual_wait_s)
 
     def release(self, reservation: Reservation, count: int) -> None:
         with self._control.lock:
@@ -382,6 +401,7 @@ class ModelLoad:
             reservation.remaining -= count
             self._take(reservation.tokens, count)
             self._control.held -= count
+            self.released_images += count
 
     # ------------------------------------------------------------------ the forward thread's side
     def begin(self, reservations: Iterable[Reservation], tokens: int) -> None:

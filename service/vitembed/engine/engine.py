@@ -224,7 +224,7 @@ class Engine:
         head_key = tuple(sorted(h.name for h in heads))  # one batch key per set of heads, whatever the order
         key_tail = (pooling, None if layers is None else tuple(layers), options.normalize, head_key)
         passes = forward_passes([pooling, *(h.inputs.pooling for h in heads)])  # 2: a mirrored pooling
-        reservation = self._admit(served, len(images), policy, size, deadline, passes)
+        reservation = self._admit(served, len(images), policy, size, ticket, passes)
         try:
             prepared = await self._prepare_all(served, images, policy, size, ticket)
             rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation, passes)
@@ -265,7 +265,7 @@ class Engine:
             served.check_size(inputs.policy, inputs.size, self.settings.max_tokens_per_image)
         layers = None if inputs.layers is None else tuple(inputs.layers)
         passes = forward_passes([inputs.pooling])
-        reservation = self._admit(served, len(images), inputs.policy, inputs.size, deadline, passes)
+        reservation = self._admit(served, len(images), inputs.policy, inputs.size, ticket, passes)
         try:
             prepared = await self._prepare_all(served, images, inputs.policy, inputs.size, ticket)
             key_tail = (inputs.pooling, layers, False, (head,))
@@ -370,7 +370,7 @@ class Engine:
         count: int,
         policy: str,
         size: tuple[int, int] | None,
-        deadline: float,
+        ticket: RequestTicket,
         passes: int = 1,
     ) -> Reservation:
         """Reserve room for ``count`` images before any is decoded, or refuse (``QueueFullError``, 429)."""
@@ -380,7 +380,9 @@ class Engine:
         if held is not None:
             _LEASE.set(None)
         try:
-            reservation = served.load.admit(count, tokens, deadline - time.monotonic(), own_lease=own_lease)
+            reservation = served.load.admit(
+                count, tokens, ticket.deadline - time.monotonic(), own_lease=own_lease
+            )
         except QueueFullError as refused:
             self._count_refusal(served, refused, "body")
             raise

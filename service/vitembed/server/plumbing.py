@@ -173,9 +173,18 @@ async def race_client(
 
 
 async def _watch_disconnect(request: Request) -> None:
-    """Returns when the client has gone; only started once the body is fully read."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
+    """Returns when the client has gone; only started once the body is fully read.
+
+    Waits on the server's own ``receive``, which, once the body is in, returns only when the connection is
+    lost (or the response is complete): no polling. ``Request.is_disconnected`` polled every 50 ms cost
+    each waiting request an AnyIO cancel scope per poll, on the event loop: under a flood ~128 admitted
+    requests wait at once, and the polls took a tenth of a core's GIL time from the forward thread."""
+    receive = request.receive
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)  # a server that answers at once: never spin
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
