@@ -44,6 +44,7 @@ def rule(**overrides: float) -> Decision:
         target_s=numbers["target_s"],
         deadline_left_s=numbers["deadline_left_s"],
         batch_wait_s=numbers.get("batch_wait_s", 0.0),
+        batch_tail_s=numbers.get("batch_tail_s", 0.0),
     )
 
 
@@ -387,3 +388,26 @@ def test_the_estimate_forgets_the_least_recently_measured_token_counts() -> None
         estimate.observe(tokens * 100, 1, tokens * 0.01)
     assert estimate.per_image_s(200) == pytest.approx(0.02)
     assert estimate.per_image_s(100) == pytest.approx(0.02 * 100 / 200)  # forgotten: scaled from 200
+
+
+def test_a_request_waits_for_the_rest_of_its_batch_too() -> None:
+    """Its rows come when its batch ends: with sixteen images per pass at 0.0625 s each, up to fifteen
+    queued behind it share that pass (0.9375 s). A 2 s target then admits a single image behind 1 s of
+    work, not 1.9375 s; a large request is still charged at most half the target for its own images."""
+    tail = 15 * 0.0625
+    assert rule(per_image_s=0.0625, ahead_s=1.0, batch_tail_s=tail) == Decision(True, ADMITTED, 2.0, 0.0, 2.0)
+    refused = rule(per_image_s=0.0625, ahead_s=1.0625, batch_tail_s=tail)
+    assert (refused.reason, refused.predicted_wait_s, refused.retry_after_s) == (QUEUE_DELAY, 2.0625, 0.0625)
+    big = rule(images=64, per_image_s=0.0625, ahead_s=0.0625, batch_tail_s=tail)  # 4 s of its own work
+    assert big.admitted and big.predicted_wait_s == 0.0625 + 4.0 + tail
+    control = AdmissionControl(capacity=256, target_s=2.0, spread_retries=False)
+    load = control.model("m", batch_images=lambda tokens: 1600 // tokens)  # 16 images of 100 tokens
+    load.observe(tokens=100, images=16, seconds=1.0)
+    first = load.admit(1, 100, deadline_left_s=30.0)
+    assert first.predicted_wait_s == 16 * 0.0625  # its own image and the fifteen that may share its pass
+    admitted = [load.admit(1, 100, deadline_left_s=30.0) for _ in range(16)]
+    assert admitted[-1].predicted_wait_s == 32 * 0.0625  # 16 ahead, its own, 15 behind: the 2 s target
+    with pytest.raises(QueueFullError):  # 17 ahead: 2.0625 s
+        load.admit(1, 100, deadline_left_s=30.0)
+    # 400 tokens (the estimate scales to 0.25 s per image): four per pass, so three may share its pass
+    assert load.predicted_wait_s(1, 400) == pytest.approx(17 * 0.0625 + 4 * 0.25)

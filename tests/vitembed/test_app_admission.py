@@ -96,8 +96,11 @@ async def test_refusals_carry_the_reason_and_a_retry_after_from_the_predicted_wa
     tiny_path: Path, images: Images, err: Err, held_decode: HeldDecode
 ) -> None:
     """One admitted image is held in its decode (event-ordered, not a race with its 2 s batch timer); the
-    queue ahead of the next requests is then that image, and each batch waits its 2 s timer."""
-    async with serve_engine(tiny_path, max_wait_ms=2000, queue_delay_target_s=2.0) as server:
+    queue ahead of the next requests is then that image, and each batch waits its 2 s timer. One image per
+    pass, so no image shares a request's pass (``test_admission``: the rest of its batch)."""
+    async with serve_engine(
+        tiny_path, max_wait_ms=2000, queue_delay_target_s=2.0, max_batch_size=1
+    ) as server:
         load = tiny_load(server)
         data = images.jpeg(60, 60, 2)
         first = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": data}))

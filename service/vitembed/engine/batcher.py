@@ -78,6 +78,11 @@ class WorkItem:
 RunBatch = Callable[[Sequence[WorkItem]], Sequence[Any]]  # -> b rows in item order (arrays, or tuples)
 
 
+def images_per_batch(max_batch_size: int, max_batch_tokens: int, tokens_per_item: int) -> int:
+    """How many images of ``tokens_per_item`` tokens one forward pass takes (at least one)."""
+    return max(1, min(max_batch_size, max_batch_tokens // max(1, tokens_per_item)))
+
+
 class DynamicBatcher:
     def __init__(
         self,
@@ -165,7 +170,7 @@ class DynamicBatcher:
                 self._cond.wait(timeout=self._max_wait_s - waited)
 
     def _batch_limit(self, tokens_per_item: int) -> int:
-        return max(1, min(self._max_batch_size, self._max_batch_tokens // max(1, tokens_per_item)))
+        return images_per_batch(self._max_batch_size, self._max_batch_tokens, tokens_per_item)
 
     def _oldest_key(self) -> BatchKey | None:
         heads = [(queue[0].enqueued, key) for key, queue in self._queues.items() if queue]

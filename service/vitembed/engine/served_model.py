@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from vit_backbone.mirror import forward_passes
 from vit_backbone.precision import MIN_COSINE, PrecisionChoice, choose_autocast, probe_images, to_device
 from vit_backbone.preprocess import Preprocessor, check_token_budget, stack, stack_valid
 from vitembed.engine.admission import AdmissionControl, ModelLoad
-from vitembed.engine.batcher import DynamicBatcher, WorkItem
+from vitembed.engine.batcher import DynamicBatcher, WorkItem, images_per_batch
 from vitembed.engine.precision_cache import decision_key, load_decision, store_decision
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
@@ -78,7 +79,11 @@ def start_model(
     preprocessor = Preprocessor(
         backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=limits
     )
-    load = admission.model(name, batch_wait_s=settings.max_wait_ms / 1000)
+    load = admission.model(
+        name,
+        batch_wait_s=settings.max_wait_ms / 1000,
+        batch_images=partial(images_per_batch, settings.max_batch_size, settings.max_batch_tokens),
+    )
     seed_estimate(backbone, preprocessor, load, settings)
 
     def on_batch(size: int, queue_wait: float, forward_s: float) -> None:
@@ -154,7 +159,7 @@ def seed_estimate(
     pooling, layers = backbone.choose(None, None)
     # an image's cost in the batcher's units: its tokens, twice for a mirrored pooling (vit_backbone.mirror)
     tokens = (prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens) * forward_passes([pooling])
-    count = max(1, min(settings.max_batch_size, settings.max_batch_tokens // tokens))
+    count = images_per_batch(settings.max_batch_size, settings.max_batch_tokens, tokens)
     pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
     valid = stack_valid([prepared] * count)  # [count, h, w] or None
     pixel_values = to_device(pixel_values, backbone.device)
