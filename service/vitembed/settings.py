@@ -32,10 +32,11 @@ class ServiceSettings(BaseSettings):
     cache_dir: Path | None = None  # where the embedded checkpoint is converted; default ~/.cache/vitembed
 
     # batching
-    # A forward pass takes at most 16 images and at most 8 x 257 tokens (with prefix): eight 224-px images
-    # (8 beat 16 and 32 there on a 2-core CPU, cache-bound), sixteen of the default preset's mirrored 98-px
-    # box (16 beat 8 by 7 % model-only and by 15 % served under load: fewer GIL hand-offs per image, README
-    # overload), one image at 518 px and above (attention-bound: a batch saves nothing there)
+    # A forward pass takes at most 16 images and at most 8 x 257 tokens (with prefix): eight 224-px DINOv2
+    # images (8 beat 16 there by 3 % model-only on this 2-core CPU; a checkpoint with registers or DINOv3's
+    # patch 16 has other token counts: 7 or 10 per pass), sixteen of the default preset's mirrored 98-px box
+    # (16 beat 8 by 7 % model-only and served ~15 % more under load: fewer GIL hand-offs per image, README
+    # overload), one image at 518 px (not measured against 8: attention dominates there)
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_tokens: int = Field(8 * 257, ge=1)
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)

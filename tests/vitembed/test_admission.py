@@ -10,7 +10,6 @@ import pytest
 from vitembed.engine.admission import (
     ADMITTED,
     DEADLINE,
-    ESTIMATE_KEYS,
     LEASE_S,
     QUEUE_DELAY,
     QUEUE_FULL,
@@ -18,10 +17,9 @@ from vitembed.engine.admission import (
     Decision,
     QueueFullError,
     RetrySpread,
-    ThroughputEstimate,
-    WaitCalibration,
     decide,
 )
+from vitembed.engine.wait_estimates import ESTIMATE_KEYS, ThroughputEstimate, WaitCalibration
 
 
 def rule(**overrides: float) -> Decision:
@@ -359,6 +357,8 @@ def test_waits_shortened_by_work_dropped_ahead_of_them_do_not_calibrate() -> Non
     assert load.calibration.factor == factor
     later = load.admit(1, 100, deadline_left_s=30.0)  # four images still ahead of it: 0.625 s with its own
     assert later.uncalibrated_wait_s == 0.625
+    behind = load.admit(1, 100, deadline_left_s=30.0)
+    behind.release()  # dropped behind it: that did not shorten its wait
     load.settle(later, actual_wait_s=1.25)
     assert load.calibration.factor > factor
 
@@ -382,12 +382,33 @@ def test_a_full_check_does_not_count_places_leased_to_heads_still_sending_their_
     assert refused.value.reason == QUEUE_FULL
 
 
+def test_places_leased_on_heads_keep_the_model_from_looking_idle() -> None:
+    """An idle model admits any request the hard cap allows, even 8 s of work on a 5 s deadline; a model
+    whose only work is places leased on heads is not idle: the same body is judged like any other."""
+    clock = [100.0]
+    control = AdmissionControl(capacity=256, target_s=1.0, spread_retries=False, clock=lambda: clock[0])
+    load = control.model("m")
+    load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image: 64 images are 8 s of work
+    idle = load.admit(64, 100, 5.0)
+    assert idle.predicted_wait_s == 8.0
+    idle.release()
+    for _ in range(4):
+        load.admit(1, 100, 30.0, reserve=False, lease=True)
+    with pytest.raises(QueueFullError) as refused:
+        load.admit(64, 100, 5.0)
+    assert (refused.value.reason, refused.value.retry_after_s) == (DEADLINE, 3.0)
+
+
 def test_the_estimate_forgets_the_least_recently_measured_token_counts() -> None:
     estimate = ThroughputEstimate(window=2)
     for tokens in range(1, ESTIMATE_KEYS + 2):  # one token count more than it remembers
-        estimate.observe(tokens * 100, 1, tokens * 0.01)
-    assert estimate.per_image_s(200) == pytest.approx(0.02)
-    assert estimate.per_image_s(100) == pytest.approx(0.02 * 100 / 200)  # forgotten: scaled from 200
+        estimate.observe(tokens * 100, 1, 1.0)  # 1 s per image whatever the tokens: not proportional
+    assert estimate.per_image_s(200) == 1.0
+    assert estimate.per_image_s(100) == pytest.approx(0.5)  # forgotten: scaled from 200 (1 s x 100 / 200)
+    estimate.observe(100, 1, 3.0)  # measured again: remembered, and 200, now the oldest, is forgotten
+    assert estimate.per_image_s(100) == 3.0
+    estimate.observe(ESTIMATE_KEYS * 200, 1, 1.0)  # a new token count: 300 is forgotten
+    assert estimate.per_image_s(300) == pytest.approx(1.0 * 300 / 400)  # forgotten: scaled from 400
 
 
 def test_a_request_waits_for_the_rest_of_its_batch_too() -> None:

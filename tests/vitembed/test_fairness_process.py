@@ -39,6 +39,7 @@ def fair_server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--max-images-per-request", "64",
         "--queue-delay-target-s", "25",
         "--max-batch-size", "64",
+        "--max-batch-tokens", "40000",  # 64 x 577: the whole request in one pass
         "--max-wait-ms", "5",
     )  # fmt: skip
     yield server

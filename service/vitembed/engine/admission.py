@@ -28,32 +28,21 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from vitembed.engine.wait_estimates import ThroughputEstimate, WaitCalibration
+
 ADMITTED = "admitted"
 QUEUE_FULL = "queue_full"  # the hard cap in images
 QUEUE_DELAY = "queue_delay"  # the predicted wait passes the queue-delay target
 DEADLINE = "deadline"  # the predicted wait passes the request's own (shorter) deadline
 REASONS = (QUEUE_FULL, QUEUE_DELAY, DEADLINE)
 
-ESTIMATE_WINDOW = 32  # forward passes per token count that the throughput estimate remembers
-ESTIMATE_KEYS = 64  # token counts remembered per model (least recently observed forgotten first)
-# the wait calibration (``WaitCalibration``): requests predicted to wait less than this are too dominated by
-# fixed costs (decode, the response) to say how far the forward-pass estimate is off
-CALIBRATION_MIN_PREDICTED_S = 0.5
-# the factor tracks this quantile of actual / predicted: the admitted p99 is what must stay within the target
-# (A/B, README overload: 0.9 lowered the admitted p99 of requests sent in time at no cost in goodput; 0.95
-# lowered it more but cost a fifth of the goodput at 256 clients: a shorter queue fills smaller batches)
-CALIBRATION_QUANTILE = 0.9
-CALIBRATION_STEP = 0.05  # relative change of the factor per request that waited longer than it predicted
-# how far the factor may scale predictions down and up. Never down: a calm spell (the forward thread alone
-# with the GIL, requests finishing faster than the estimate, which lags by its window) pulled the factor to
-# 0.8, and a flood arriving next was admitted on that, 40 % past what it could serve within the target
-CALIBRATION_BOUNDS = (1.0, 4.0)
 # Retry-After spreading (``RetrySpread``): refused callers are told to come back at different whole seconds so
 # that, together, they return at about this many times the model's throughput
 SPREAD_RETURN_FACTOR = 2.0
 SPREAD_MAX_S = 8  # the widest spread in seconds (a held connection waits at most 10 s)
 # a request that passed the check before its body was read holds a place this long (``ModelLoad.admit``)
 LEASE_S = 1.0
+RELEASE_LOG = 1024  # releases of queued work a model remembers (``ModelLoad.settle``)
 
 
 @dataclass(frozen=True)
@@ -76,6 +65,7 @@ def decide(
     deadline_left_s: float,
     batch_wait_s: float = 0.0,
     batch_tail_s: float = 0.0,
+    idle: bool | None = None,
 ) -> Decision:
     """Admit ``images`` or refuse them, from injected numbers.
 
@@ -84,7 +74,8 @@ def decide(
     their model; ``held_images``: images queued or running on all models (the hard cap's count);
     ``batch_wait_s``: how long a batch may wait to fill; ``batch_tail_s``: the work of the images that may
     share the request's last batch, queued behind it: its rows come when that batch ends (under a flood the
-    batch is full, and at 16 images the tail is ~0.15 s, which the admitted p99 overshot the target by).
+    batch is full, and at 16 images the tail is ~0.15 s, which the admitted p99 overshot the target by);
+    ``idle``: nothing is queued, running or about to be (default: ``ahead_s`` is 0).
     """
     own_s = images * per_image_s
     predicted = (
@@ -95,7 +86,8 @@ def decide(
     if held_images + room > capacity_images:
         excess = held_images + room - capacity_images
         return Decision(False, QUEUE_FULL, predicted, excess * per_image_s, limit)
-    if ahead_s <= 0.0:  # an idle model takes whatever the hard cap allows; its deadline decides the rest
+    if ahead_s <= 0.0 if idle is None else idle:  # an idle model takes whatever the hard cap allows; its
+        # deadline decides the rest
         return Decision(True, ADMITTED, predicted, 0.0, limit)
     charged = ahead_s + min(own_s, target_s / 2) + batch_tail_s
     if charged > target_s:
@@ -103,82 +95,6 @@ def decide(
     if predicted > deadline_left_s:
         return Decision(False, DEADLINE, predicted, predicted - deadline_left_s, limit)
     return Decision(True, ADMITTED, predicted, 0.0, limit)
-
-
-class ThroughputEstimate:
-    """Seconds per image of one model, per token count, from its recent forward passes: the window's
-    total seconds over its total images (full batches weigh more than lone images, and one slow pass is
-    diluted). A token count never measured is scaled linearly from the nearest one measured."""
-
-    def __init__(self, window: int = ESTIMATE_WINDOW) -> None:
-        self._window = window
-        self._passes: dict[int, deque[tuple[int, float]]] = {}  # tokens -> (images, seconds)
-        # tokens -> seconds per image over its window, kept with the window: admission asks for it on every
-        # request head and once per leased place, hundreds of times per forward pass under a flood
-        self._per_image: dict[int, float] = {}
-
-    def observe(self, tokens: int, images: int, seconds: float) -> None:
-        if images < 1 or seconds < 0:
-            return
-        passes = self._passes.pop(tokens, None) or deque(maxlen=self._window)
-        passes.append((images, seconds))
-        self._passes[tokens] = passes  # re-inserted: the dict's order is least recently observed first
-        self._per_image[tokens] = sum(s for _, s in passes) / sum(n for n, _ in passes)
-        while len(self._passes) > ESTIMATE_KEYS:
-            del self._per_image[next(iter(self._passes))]
-            del self._passes[next(iter(self._passes))]
-
-    def per_image_s(self, tokens: int) -> float | None:
-        known = self._per_image.get(tokens)
-        if known is not None:
-            return known
-        if not self._per_image:
-            return None
-        nearest = min(self._per_image, key=lambda measured: abs(measured - tokens))
-        return self._per_image[nearest] * tokens / max(1, nearest)
-
-
-class WaitCalibration:
-    """How much longer admitted requests actually waited than the forward-pass estimate predicted: a
-    running estimate of a high quantile of actual / predicted, which scales every prediction.
-
-    The estimate times forward passes only. Under a flood the same machine also decodes, answers
-    refusals on the event loop and may share its cores with a neighbour, so a request admitted on a 2 s
-    prediction waited 3-5 s (README, overload). The ratio is measured per request, from admission to its
-    last row, against the prediction before calibration (so the factor does not chase itself), and only
-    for requests predicted to wait at least ``min_predicted_s``.
-
-    A quantile, not the mean: with the mean, half the requests admitted at the edge of the queue waited
-    longer than the target, and the admitted p99 is what the target promises. Each ratio above the factor
-    raises it by ``step * quantile`` (relative), each ratio at or below lowers it by ``step * (1 -
-    quantile)``, so it settles where a fraction ``1 - quantile`` of the ratios lie above it; one stuck
-    request moves it by one step only. (The admitted p99 also holds requests admitted on short queues, so
-    a quantile below 0.99 is enough, and a higher one shortens the queue the batches are filled from.)"""
-
-    def __init__(
-        self,
-        *,
-        quantile: float = CALIBRATION_QUANTILE,
-        step: float = CALIBRATION_STEP,
-        min_predicted_s: float = CALIBRATION_MIN_PREDICTED_S,
-        bounds: tuple[float, float] = CALIBRATION_BOUNDS,
-    ) -> None:
-        if not 0.0 < quantile < 1.0 or not 0.0 < step < 1.0:
-            raise ValueError(f"quantile and step must lie in (0, 1), not {quantile} and {step}")
-        self.quantile = quantile
-        self.step = step
-        self.min_predicted_s = min_predicted_s
-        self.bounds = bounds
-        self.factor = 1.0
-
-    def observe(self, predicted_s: float, actual_s: float) -> None:
-        if predicted_s < self.min_predicted_s or actual_s < 0:
-            return
-        if actual_s / predicted_s > self.factor:
-            self.factor *= 1.0 + self.step * self.quantile
-        else:
-            self.factor *= 1.0 - self.step * (1.0 - self.quantile)
-        self.factor = min(max(self.factor, self.bounds[0]), self.bounds[1])
 
 
 class RetrySpread:
@@ -261,7 +177,8 @@ class Reservation:
         self.uncalibrated_wait_s = predicted_wait_s if uncalibrated_wait_s is None else uncalibrated_wait_s
         self.admitted_at = time.monotonic()
         self.lease: int | None = None  # a check's place held while the body is read (``ModelLoad.admit``)
-        self.released_before = load.released_images  # images that had left the queue unserved at admission
+        self.seq = load.next_seq()  # its place in the model's order of admission
+        self.releases_before = load.releases  # releases of queued work before its admission
 
     def release(self, count: int | None = None) -> None:
         """``count`` images (all remaining by default) leave without a forward pass: dropped or failed."""
@@ -292,7 +209,11 @@ class ModelLoad:
         self._running_since = 0.0
         self._leases: dict[int, tuple[float, int, int]] = {}  # id -> (expires at, images, tokens)
         self._next_lease = 0
-        self.released_images = 0  # images that left the queue without a forward pass, ever (``release``)
+        # releases of queued work (``release``: dropped or failed), ever, and the admission order (``seq``) of
+        # the requests whose work was released, most recent last
+        self.releases = 0
+        self._released_seqs: deque[int] = deque(maxlen=RELEASE_LOG)
+        self._seq = 0
 
     # ------------------------------------------------------------------ the request side
     def admit(
@@ -320,10 +241,10 @@ class ModelLoad:
             leased_images, leased_s = self._leased(now)
             per_image = self.estimate.per_image_s(tokens) or 0.0
             # a check on a head waits behind the places leased before it; a full check (its body is in) does
-            # not: the leased requests still reading their bodies will queue behind it. Counting them ahead
-            # overstated a flood's waits by a quarter, which the calibration then cut from every prediction,
-            # so that a burst of heads arriving together (all leased, none yet queued) was over-admitted
-            ahead = self._ahead_s() + (leased_s if not reserve else 0.0)
+            # not: the leased requests still reading their bodies will queue behind it. Leased places still
+            # make the model busy: a full check beside them is charged, not admitted as if the model were idle
+            queued = self._ahead_s()
+            ahead = queued + (leased_s if not reserve else 0.0)
             factor = self.calibration.factor
             decision = decide(
                 images=images,
@@ -335,6 +256,7 @@ class ModelLoad:
                 deadline_left_s=deadline_left_s,
                 batch_wait_s=self.batch_wait_s,
                 batch_tail_s=self._batch_tail_s(tokens, per_image) * factor,
+                idle=queued <= 0.0 and leased_images == 0,
             )
             if not decision.admitted:
                 retry_after = decision.retry_after_s
@@ -404,13 +326,24 @@ class ModelLoad:
 
     def settle(self, reservation: Reservation, actual_wait_s: float) -> None:
         """An admitted request got its last row ``actual_wait_s`` after admission: calibrate predictions,
-        unless images left the queue unserved while it waited (dropped: a client gone, a deadline passed; or
-        failed). Its wait then says nothing about the estimate: when a flood's clients all left at once, the
-        requests still queued behind their dropped work waited a fraction of their prediction, and ~130 such
-        ratios pulled the factor to its floor, so the next flood was admitted a third past the target."""
+        unless work admitted before it left the queue unserved while it waited (dropped: a client gone, a
+        deadline passed; or failed). Its wait then says nothing about the estimate: when a flood's clients
+        all left at once, the requests still queued behind their dropped work waited a fraction of their
+        prediction, and ~130 such ratios pulled the factor down. Work released behind it did not shorten
+        its wait and does not count."""
         with self._control.lock:
-            if self.released_images == reservation.released_before:
-                self.calibration.observe(reservation.uncalibrated_wait_s, actual_wait_s)
+            since = self.releases - reservation.releases_before
+            if since > len(self._released_seqs):
+                return  # more releases than remembered: it cannot tell, so it does not learn
+            recent = list(self._released_seqs)[len(self._released_seqs) - since :]
+            if any(seq < reservation.seq for seq in recent):
+                return
+            self.calibration.observe(reservation.uncalibrated_wait_s, actual_wait_s)
+
+    def next_seq(self) -> int:
+        """The next admission's place in order (the caller holds the lock: ``admit``)."""
+        self._seq += 1
+        return self._seq
 
     def release(self, reservation: Reservation, count: int) -> None:
         with self._control.lock:
@@ -420,7 +353,8 @@ class ModelLoad:
             reservation.remaining -= count
             self._take(reservation.tokens, count)
             self._control.held -= count
-            self.released_images += count
+            self.releases += 1
+            self._released_seqs.append(reservation.seq)
 
     # ------------------------------------------------------------------ the forward thread's side
     def begin(self, reservations: Iterable[Reservation], tokens: int) -> None:
