@@ -56,6 +56,10 @@ class ServiceSettings(BaseSettings):
     # refusals get Retry-After values spread over whole seconds, so that a crowd of refused callers comes back
     # at about twice the model's throughput instead of all in the next second (engine/admission.py)
     spread_retry_after: bool = True
+    # admission counts the decode still ahead of the queue (images leased on request heads or waiting for the
+    # decode pool) on a CPU model whose torch threads take every core: the decode takes its CPU time from the
+    # forward pass (engine/admission.py)
+    admission_counts_decode: bool = True
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,
     # kept only if warm-up embeddings stay within cosine 0.999 of float32

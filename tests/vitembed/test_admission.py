@@ -19,7 +19,7 @@ from vitembed.engine.admission import (
     RetrySpread,
     decide,
 )
-from vitembed.engine.wait_estimates import ESTIMATE_KEYS, ThroughputEstimate, WaitCalibration
+from vitembed.engine.wait_estimates import ESTIMATE_KEYS, IngestEstimate, ThroughputEstimate, WaitCalibration
 
 
 def rule(**overrides: float) -> Decision:
@@ -432,3 +432,61 @@ def test_a_request_waits_for_the_rest_of_its_batch_too() -> None:
         load.admit(1, 100, deadline_left_s=30.0)
     # 400 tokens (the estimate scales to 0.25 s per image): four per pass, so three may share its pass
     assert load.predicted_wait_s(1, 400) == pytest.approx(17 * 0.0625 + 4 * 0.25)
+
+
+def test_decoding_still_ahead_is_counted_where_it_shares_the_cores_with_the_forward_pass() -> None:
+    """0.125 s of forward pass and 0.125 s of decode CPU per image, a 1 s target. Where the decode takes its
+    time from the forward pass (ingest_share 1), a place leased on a head, whose body is still to be read and
+    decoded, costs 0.25 s: four heads pass and the fifth is refused 0.125 s over the target; where it does not
+    (ingest_share 0, an accelerator) eight pass, as before."""
+    for share, passed in ((1.0, 4), (0.0, 8)):
+        control = AdmissionControl(capacity=256, target_s=1.0, spread_retries=False, clock=lambda: 100.0)
+        load = control.model("m", ingest_share=share)
+        load.observe(tokens=100, images=8, seconds=1.0)
+        load.observe_ingest(0.125)
+        for _ in range(passed):
+            load.admit(1, 100, 30.0, reserve=False, lease=True)
+        with pytest.raises(QueueFullError) as refused:
+            load.admit(1, 100, 30.0, reserve=False, lease=True)
+        assert (refused.value.reason, refused.value.retry_after_s) == (QUEUE_DELAY, 0.125)
+
+
+def test_a_reservation_counts_its_decode_until_each_image_is_decoded() -> None:
+    """Admitted images wait for the decode pool before they queue: each costs its decode too until
+    ``decoded``. A dropped queued image was decoded (its release leaves the decode count alone); a failed or
+    cancelled request releases its undecoded images with the rest, and a decode that ends after that (its
+    pool job outlived the request) changes nothing."""
+    control = AdmissionControl(capacity=256, target_s=2.0, spread_retries=False)
+    load = control.model("m", ingest_share=1.0)
+    load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image
+    load.observe_ingest(0.0625)
+    first = load.admit(2, 100, deadline_left_s=30.0)
+    assert first.predicted_wait_s == 0.25  # an idle model: its own two images
+    assert load.predicted_wait_s(1, 100) == 2 * (0.125 + 0.0625) + 0.125
+    first.decoded()
+    assert load.predicted_wait_s(1, 100) == 2 * 0.125 + 0.0625 + 0.125
+    first.decoded()
+    first.decoded()  # one more than it has: nothing
+    assert load.predicted_wait_s(1, 100) == 2 * 0.125 + 0.125
+    first.release(1)  # a queued (decoded) image dropped
+    assert load.predicted_wait_s(1, 100) == 0.125 + 0.125
+    second = load.admit(3, 100, deadline_left_s=30.0)
+    second.decoded()
+    assert load.predicted_wait_s(1, 100) == 4 * 0.125 + 2 * 0.0625 + 0.125
+    second.release()  # its request failed: all three go, two of them undecoded
+    second.decoded()  # a pool job that outlived the request
+    assert load.predicted_wait_s(1, 100) == 0.125 + 0.125
+    third = load.admit(1, 100, deadline_left_s=30.0)
+    load.begin([first, third], tokens=100)  # third reached a pass without ``decoded``: not counted twice
+    load.end(tokens=100, images=2, seconds=None)
+    assert load.predicted_wait_s(1, 100) == 0.125 and control.held == 0
+
+
+def test_the_ingest_estimate_averages_the_recent_decodes() -> None:
+    estimate = IngestEstimate(window=4)
+    assert estimate.per_image_s == 0.0
+    for seconds in (1.0, 1.0, 1.0, 1.0, 0.5, 0.5):
+        estimate.observe(seconds)
+    assert estimate.per_image_s == 0.75  # the last four
+    estimate.observe(-1.0)  # a clock that went backwards: ignored
+    assert estimate.per_image_s == 0.75

@@ -16,8 +16,9 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from promtext import sum_samples
-from vitembed.engine.admission import ModelLoad, ThroughputEstimate
+from vitembed.engine.admission import ModelLoad
 from vitembed.engine.engine import Engine
+from vitembed.engine.wait_estimates import IngestEstimate, ThroughputEstimate
 from vitembed.metrics import Metrics
 from vitembed.server.app import create_app
 from vitembed.settings import ServiceSettings
@@ -64,7 +65,9 @@ def tiny_load(server: Served) -> ModelLoad:
 
 
 def inject(load: ModelLoad, per_image_s: float) -> None:
+    """The forward pass's cost per image; decoding is free (its share is ``test_admission``'s)."""
     load.estimate = ThroughputEstimate()
+    load.ingest = IngestEstimate()
     load.observe(TOKENS, 1, per_image_s)
 
 

@@ -9,6 +9,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -23,11 +25,13 @@ from vitembed.engine.engine import (
     configure_threads,
 )
 from vitembed.engine.precision_cache import CACHE_FILE
+from vitembed.engine.served_model import ingest_share
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
 from vit_backbone import InvalidOptionError, ModelNotFoundError, SizeError, load_backbone
 from vit_backbone.backbone import Backbone
+from vit_backbone.cpu_quota import available_cpus
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -102,6 +106,24 @@ def test_the_lease_of_an_early_check_is_given_back_by_the_same_requests_admissio
     assert asyncio.run(request()) == (1, 0)
     assert asyncio.run(other_task_checks_only()) == 1  # the thread's lease is not this task's: it lapses
     load._leases.clear()
+
+
+def test_admission_learns_the_decode_cost_and_counts_no_decode_once_requests_end(engine: Engine) -> None:
+    """Each decode's CPU time feeds the model's ingest estimate; a request that succeeded or failed leaves
+    no image counted as still to be decoded. On the CPU with a torch thread per usable core the decode counts
+    in full; ``admission_counts_decode=false`` or a forward pass on an accelerator turns it off."""
+    served = engine._get("tiny")
+    load = served.load
+    assert load.ingest_share == 1.0 and torch.get_num_threads() == available_cpus()
+    asyncio.run(embed(engine, [jpeg(640, 480, 3), jpeg(320, 240, 4)]))
+    assert load.ingest.per_image_s > 0 and load._undecoded == 0
+    with pytest.raises(RequestImageError):
+        asyncio.run(embed(engine, [jpeg(64, 64, 5), b"not an image"]))
+    assert load._undecoded == 0 and engine.admission.held == 0
+    assert ingest_share(served.backbone, ServiceSettings(admission_counts_decode=False)) == 0.0
+    assert ingest_share(served.backbone, ServiceSettings()) == 1.0
+    on_an_accelerator = cast(Backbone, SimpleNamespace(device=torch.device("meta")))  # all it reads
+    assert ingest_share(on_an_accelerator, ServiceSettings()) == 0.0
 
 
 def test_a_bad_image_names_its_index_and_costs_no_forward_pass(engine: Engine) -> None:

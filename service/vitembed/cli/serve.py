@@ -66,6 +66,8 @@ _ENV_ONLY = (
     "Retry-After has passed)",
     "VITEMBED_SPREAD_RETRY_AFTER (default true: refused requests are told to come back at different "
     "whole seconds)",
+    "VITEMBED_ADMISSION_COUNTS_DECODE (default true: on a CPU model, images admitted but not yet decoded "
+    "also count their decode time)",
     "OMP_WAIT_POLICY (default PASSIVE: OpenMP threads sleep at barriers instead of spinning)",
     "VITEMBED_MAX_IMAGE_PIXELS (default 40000000)",
     "VITEMBED_MAX_ASPECT_RATIO (default 20)",

@@ -17,6 +17,14 @@ images: a request of n images is admitted only while it leaves room for n - 1 mo
 callers (an idle queue admits any request the cap allows), so a run of 64-image requests holds at most
 about three quarters of a 256-image queue and single images always find a place; a single image is not
 affected.
+
+Decoding ahead: on a model served on the CPU with as many torch threads as the cores it may use, every
+image admitted but not yet decoded (a place leased on a request head whose body is still being read, or
+a reservation whose image waits for the decode pool) will take its decode's CPU time from the cores the
+forward pass runs on, so the work ahead also counts ``ingest_share`` times that time per such image
+(``IngestEstimate``). The throughput estimate, measured in a steady flow, holds the decode of a steady
+flow; a flood's opening burst leases hundreds of places before any body is read, and the first answer
+left ~0.45 s later (README, overload): the burst's requests overshot the target by that much.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vitembed.engine.wait_estimates import ThroughputEstimate, WaitCalibration
+from vitembed.engine.wait_estimates import IngestEstimate, ThroughputEstimate, WaitCalibration
 
 ADMITTED = "admitted"
 QUEUE_FULL = "queue_full"  # the hard cap in images
@@ -177,12 +185,17 @@ class Reservation:
         self.uncalibrated_wait_s = predicted_wait_s if uncalibrated_wait_s is None else uncalibrated_wait_s
         self.admitted_at = time.monotonic()
         self.lease: int | None = None  # a check's place held while the body is read (``ModelLoad.admit``)
+        self.undecoded = images  # of ``remaining``, the images not yet decoded (``ModelLoad.decoded``)
         self.seq = load.next_seq()  # its place in the model's order of admission
         self.releases_before = load.releases  # releases of queued work before its admission
 
     def release(self, count: int | None = None) -> None:
         """``count`` images (all remaining by default) leave without a forward pass: dropped or failed."""
         self.load.release(self, self.remaining if count is None else count)
+
+    def decoded(self) -> None:
+        """One of its images is decoded (its decode no longer lies ahead of the queue)."""
+        self.load.decoded(self)
 
 
 class ModelLoad:
@@ -195,15 +208,21 @@ class ModelLoad:
         name: str,
         batch_wait_s: float,
         batch_images: Callable[[int], int] | None = None,
+        ingest_share: float = 0.0,
     ) -> None:
         self._control = control
         self.name = name
         self.batch_wait_s = batch_wait_s
         self._batch_images = batch_images  # tokens per image -> images per forward pass (None: 1)
+        # how much of an image's decode CPU time delays the forward pass: 1 where they share all the cores
+        # (a CPU model with a thread per core), 0 where the forward pass runs elsewhere (a GPU)
+        self.ingest_share = ingest_share
         self.estimate = ThroughputEstimate()
+        self.ingest = IngestEstimate()
         self.calibration = WaitCalibration()
         self.spread = RetrySpread()
         self._reserved: Counter[int] = Counter()  # expected tokens -> images
+        self._undecoded = 0  # reserved images not yet decoded
         self._running = 0  # images in the forward pass now
         self._running_s = 0.0  # its predicted duration
         self._running_since = 0.0
@@ -280,6 +299,7 @@ class ModelLoad:
                     checked.lease = self._next_lease
                 return checked
             self._reserved[tokens] += images
+            self._undecoded += images
             control.held += images
             return Reservation(self, tokens, images, decision.predicted_wait_s, uncalibrated)
 
@@ -302,7 +322,11 @@ class ModelLoad:
         seconds = sum(
             count * (self.estimate.per_image_s(tokens) or 0.0) for _, count, tokens in self._leases.values()
         )
-        return images, seconds
+        return images, seconds + images * self._ingest_s()
+
+    def _ingest_s(self) -> float:
+        """Seconds one image's decode, still ahead, adds to the wait (caller holds the lock)."""
+        return self.ingest_share * self.ingest.per_image_s
 
     def _batch_tail_s(self, tokens: int, per_image: float) -> float:
         """The rest of the request's last batch: up to images-per-pass - 1 images queued behind it."""
@@ -310,7 +334,7 @@ class ModelLoad:
 
     def _ahead_s(self) -> float:
         """Predicted seconds until work admitted now could start (caller holds the lock)."""
-        ahead = 0.0
+        ahead = self._undecoded * self._ingest_s()
         for tokens, count in self._reserved.items():
             ahead += count * (self.estimate.per_image_s(tokens) or 0.0)
         if self._running:
@@ -350,11 +374,26 @@ class ModelLoad:
             count = min(count, reservation.remaining)
             if count <= 0:
                 return
+            # a dropped queued image was decoded; a failed or cancelled request releases all it has left
+            undecoded = max(0, count - (reservation.remaining - reservation.undecoded))
+            reservation.undecoded -= undecoded
+            self._undecoded -= undecoded
             reservation.remaining -= count
             self._take(reservation.tokens, count)
             self._control.held -= count
             self.releases += 1
             self._released_seqs.append(reservation.seq)
+
+    def decoded(self, reservation: Reservation) -> None:
+        with self._control.lock:
+            if reservation.undecoded > 0:  # nothing when its request was already released (cancelled)
+                reservation.undecoded -= 1
+                self._undecoded -= 1
+
+    def observe_ingest(self, cpu_s: float) -> None:
+        """One image decoded and preprocessed in ``cpu_s`` seconds of its thread's CPU time."""
+        with self._control.lock:
+            self.ingest.observe(cpu_s)
 
     # ------------------------------------------------------------------ the forward thread's side
     def begin(self, reservations: Iterable[Reservation], tokens: int) -> None:
@@ -366,6 +405,9 @@ class ModelLoad:
                     reservation.remaining -= 1
                     self._take(reservation.tokens, 1)
                     count += 1
+                    if reservation.undecoded > reservation.remaining:  # reached a pass without ``decoded``
+                        self._undecoded -= reservation.undecoded - reservation.remaining
+                        reservation.undecoded = reservation.remaining
             self._running = count
             self._running_s = count * (self.estimate.per_image_s(tokens) or 0.0)
             self._running_since = time.monotonic()
@@ -425,11 +467,12 @@ class AdmissionControl:
         *,
         batch_wait_s: float = 0.0,
         batch_images: Callable[[int], int] | None = None,
+        ingest_share: float = 0.0,
     ) -> ModelLoad:
         with self.lock:
             load = self._loads.get(name)
             if load is None:
-                load = self._loads[name] = ModelLoad(self, name, batch_wait_s, batch_images)
+                load = self._loads[name] = ModelLoad(self, name, batch_wait_s, batch_images, ingest_share)
             return load
 
     @property

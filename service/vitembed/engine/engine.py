@@ -226,7 +226,7 @@ class Engine:
         passes = forward_passes([pooling, *(h.inputs.pooling for h in heads)])  # 2: a mirrored pooling
         reservation = self._admit(served, len(images), policy, size, ticket, passes)
         try:
-            prepared = await self._prepare_all(served, images, policy, size, ticket)
+            prepared = await self._prepare_all(served, images, policy, size, ticket, reservation)
             rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation, passes)
         finally:
             reservation.release()  # whatever never reached the queue (an error, a cancellation)
@@ -267,7 +267,9 @@ class Engine:
         passes = forward_passes([inputs.pooling])
         reservation = self._admit(served, len(images), inputs.policy, inputs.size, ticket, passes)
         try:
-            prepared = await self._prepare_all(served, images, inputs.policy, inputs.size, ticket)
+            prepared = await self._prepare_all(
+                served, images, inputs.policy, inputs.size, ticket, reservation
+            )
             key_tail = (inputs.pooling, layers, False, (head,))
             rows = await self._run(served, prepared, key_tail, ticket, deadline, reservation, passes)
         finally:
@@ -400,10 +402,13 @@ class Engine:
         policy: str,
         size: tuple[int, int] | None,
         ticket: RequestTicket,
+        reservation: Reservation | None = None,
     ) -> list[Prepared]:
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self._prepare_one, served, data, policy, size, ticket)
+            loop.run_in_executor(
+                self._pool, self._prepare_one, served, data, policy, size, ticket, reservation
+            )
             for data in images
         ]
         results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -421,6 +426,7 @@ class Engine:
         policy: str,
         size: tuple[int, int] | None,
         ticket: RequestTicket,
+        reservation: Reservation | None,
     ) -> Prepared:
         if ticket.cancelled:  # waited in the decode pool's queue: nothing is decoded for a lost request
             self._record_drop("cancelled")
@@ -428,8 +434,13 @@ class Engine:
         if time.monotonic() > ticket.deadline:
             self._record_drop("deadline")
             raise DeadlineExceededError(f"no result within {self._budget(ticket):g} s")
-        started = time.perf_counter()
-        prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        try:
+            prepared = served.preprocessor(data, policy=policy, size=size, draft=True)  # type: ignore[arg-type]
+        finally:  # a refused image cost its CPU time too
+            served.load.observe_ingest(time.thread_time() - cpu_started)
+        if reservation is not None:  # None: a preview, which admission does not count
+            reservation.decoded()
         grid = prepared.grid
         check_token_budget(
             grid, self.settings.max_tokens_per_image, f"this size ({grid[0]}x{grid[1]} patches)"

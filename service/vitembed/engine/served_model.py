@@ -16,6 +16,7 @@ import torch
 
 from vit_backbone import load_backbone
 from vit_backbone.backbone import Backbone
+from vit_backbone.cpu_quota import available_cpus
 from vit_backbone.decode import DecodeLimits
 from vit_backbone.embedded import default_cache_dir
 from vit_backbone.mirror import forward_passes
@@ -83,6 +84,7 @@ def start_model(
         name,
         batch_wait_s=settings.max_wait_ms / 1000,
         batch_images=partial(images_per_batch, settings.max_batch_size, settings.max_batch_tokens),
+        ingest_share=ingest_share(backbone, settings),
     )
     seed_estimate(backbone, preprocessor, load, settings)
 
@@ -146,6 +148,16 @@ def choose_precision(
     return choice
 
 
+def ingest_share(backbone: Backbone, settings: ServiceSettings) -> float:
+    """How much of an image's decode CPU time delays this model's forward pass (admission's
+    ``ingest_share``): all of it on the CPU when torch has a thread on every core this process may use
+    (the decode pool then runs on cores the forward pass is using), none on an accelerator or when torch
+    leaves cores free."""
+    if not settings.admission_counts_decode or backbone.device.type != "cpu":
+        return 0.0
+    return 1.0 if torch.get_num_threads() >= available_cpus() else 0.0
+
+
 def seed_estimate(
     backbone: Backbone, preprocessor: Preprocessor, load: ModelLoad, settings: ServiceSettings
 ) -> None:
@@ -153,9 +165,11 @@ def seed_estimate(
     on (later forward passes keep the estimate current). A full batch, not a smaller one: per-image cost
     falls with the batch size, and a small batch's would make admission refuse work the server can do
     (measured: 32 concurrent single images refused with a 2-image seed)."""
+    cpu_started = time.thread_time()
     prepared = preprocessor(
         probe_images()[0], policy=backbone.check_policy(None), size=backbone.choose_size(None)
     )
+    load.observe_ingest(time.thread_time() - cpu_started)
     pooling, layers = backbone.choose(None, None)
     # an image's cost in the batcher's units: its tokens, twice for a mirrored pooling (vit_backbone.mirror)
     tokens = (prepared.grid[0] * prepared.grid[1] + backbone.prefix_tokens) * forward_passes([pooling])

@@ -1,5 +1,6 @@
-"""What admission predicts waits from: each model's measured cost per image (``ThroughputEstimate``) and how
-far actual waits run past that estimate (``WaitCalibration``). Pure bookkeeping on numbers given to it;
+"""What admission predicts waits from: each model's measured cost per image (``ThroughputEstimate``), the CPU
+cost of decoding one (``IngestEstimate``) and how far actual waits run past that estimate
+(``WaitCalibration``). Pure bookkeeping on numbers given to it;
 ``admission.ModelLoad`` holds one of each per model and calls them under its lock."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ CALIBRATION_STEP = 0.05  # relative change of the factor per request that waited
 # with the GIL, requests finishing faster than the estimate, which lags by its window) pulled the factor to
 # 0.8, and a flood arriving next was admitted on that, 40 % past what it could serve within the target
 CALIBRATION_BOUNDS = (1.0, 4.0)
+INGEST_WINDOW = 64  # decoded images that the ingest estimate averages over
 
 
 class ThroughputEstimate:
@@ -53,6 +55,21 @@ class ThroughputEstimate:
             return None
         nearest = min(self._per_image, key=lambda measured: abs(measured - tokens))
         return self._per_image[nearest] * tokens / max(1, nearest)
+
+
+class IngestEstimate:
+    """CPU seconds to decode and preprocess one image (the decode thread's own CPU time, not its wall time,
+    which a flood inflates), averaged over the last ``window`` images."""
+
+    def __init__(self, window: int = INGEST_WINDOW) -> None:
+        self._seconds: deque[float] = deque(maxlen=window)
+        self.per_image_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self._seconds.append(seconds)
+        self.per_image_s = sum(self._seconds) / len(self._seconds)
 
 
 class WaitCalibration:
