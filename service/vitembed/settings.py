@@ -57,8 +57,8 @@ class ServiceSettings(BaseSettings):
     # at about twice the model's throughput instead of all in the next second (engine/admission.py)
     spread_retry_after: bool = True
     # admission counts the decode still ahead of the queue (images leased on request heads or waiting for the
-    # decode pool) on a CPU model whose torch threads take every core: the decode takes its CPU time from the
-    # forward pass (engine/admission.py)
+    # decode pool) on a CPU model, for the decode workers that find no core torch leaves free: the decode
+    # takes its CPU time from the forward pass (engine/admission.py, engine/served_model.ingest_share)
     admission_counts_decode: bool = True
 
     # precision: "auto" = bfloat16 autocast where the CPU has native bf16 (AMX / AVX512-BF16) or on CUDA,

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vitembed.engine import served_model
+from vitembed.engine.admission import Reservation
 from vitembed.engine.engine import (
     EmbedOptions,
     Engine,
@@ -26,6 +28,7 @@ from vitembed.engine.engine import (
 )
 from vitembed.engine.precision_cache import CACHE_FILE
 from vitembed.engine.served_model import ingest_share
+from vitembed.engine.wait_estimates import IngestEstimate
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
 
@@ -108,22 +111,36 @@ def test_the_lease_of_an_early_check_is_given_back_by_the_same_requests_admissio
     load._leases.clear()
 
 
-def test_admission_learns_the_decode_cost_and_counts_no_decode_once_requests_end(engine: Engine) -> None:
-    """Each decode's CPU time feeds the model's ingest estimate; a request that succeeded or failed leaves
-    no image counted as still to be decoded. On the CPU with a torch thread per usable core the decode counts
-    in full; ``admission_counts_decode=false`` or a forward pass on an accelerator turns it off."""
+def test_admission_learns_the_decode_cost_and_counts_no_decode_once_requests_end(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode's CPU time feeds the model's ingest estimate and marks its image decoded; a request that
+    succeeded or failed leaves no image counted as still to be decoded. The share of the decode that counts
+    follows the cores torch leaves free; ``admission_counts_decode=false`` or an accelerator turns it off."""
     served = engine._get("tiny")
     load = served.load
-    assert load.ingest_share == 1.0 and torch.get_num_threads() == available_cpus()
+    decoded: list[int] = []
+    mark = Reservation.decoded
+    monkeypatch.setattr(Reservation, "decoded", lambda self: (decoded.append(self.remaining), mark(self)))
+    load.ingest = IngestEstimate()  # the start-up seed forgotten: only this request's decodes
     asyncio.run(embed(engine, [jpeg(640, 480, 3), jpeg(320, 240, 4)]))
+    assert decoded == [2, 2]  # each image marked once, before either reached a forward pass
     assert load.ingest.per_image_s > 0 and load._undecoded == 0
     with pytest.raises(RequestImageError):
         asyncio.run(embed(engine, [jpeg(64, 64, 5), b"not an image"]))
     assert load._undecoded == 0 and engine.admission.held == 0
+    free = available_cpus() - torch.get_num_threads()
+    assert load.ingest_share == max(0, 2 - max(0, free)) / 2  # the fixture's 2 decode workers
+    settings = ServiceSettings(decode_workers=2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: available_cpus())
+    assert ingest_share(served.backbone, settings) == 1.0
     assert ingest_share(served.backbone, ServiceSettings(admission_counts_decode=False)) == 0.0
-    assert ingest_share(served.backbone, ServiceSettings()) == 1.0
+    monkeypatch.setattr(served_model, "available_cpus", lambda: torch.get_num_threads() + 1)
+    assert ingest_share(served.backbone, settings) == 0.5  # one decode worker finds a free core
+    monkeypatch.setattr(served_model, "available_cpus", lambda: torch.get_num_threads() + 4)
+    assert ingest_share(served.backbone, settings) == 0.0
     on_an_accelerator = cast(Backbone, SimpleNamespace(device=torch.device("meta")))  # all it reads
-    assert ingest_share(on_an_accelerator, ServiceSettings()) == 0.0
+    assert ingest_share(on_an_accelerator, settings) == 0.0
 
 
 def test_a_bad_image_names_its_index_and_costs_no_forward_pass(engine: Engine) -> None:

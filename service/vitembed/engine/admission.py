@@ -18,13 +18,15 @@ callers (an idle queue admits any request the cap allows), so a run of 64-image 
 about three quarters of a 256-image queue and single images always find a place; a single image is not
 affected.
 
-Decoding ahead: on a model served on the CPU with as many torch threads as the cores it may use, every
-image admitted but not yet decoded (a place leased on a request head whose body is still being read, or
-a reservation whose image waits for the decode pool) will take its decode's CPU time from the cores the
-forward pass runs on, so the work ahead also counts ``ingest_share`` times that time per such image
-(``IngestEstimate``). The throughput estimate, measured in a steady flow, holds the decode of a steady
-flow; a flood's opening burst leases hundreds of places before any body is read, and the first answer
-left ~0.45 s later (README, overload): the burst's requests overshot the target by that much.
+Decoding ahead: on a model served on the CPU, every image admitted but not yet decoded (a place leased
+on a request head whose body is still being read, or a reservation whose image waits for the decode pool)
+will take its decode's CPU time from the cores the forward pass runs on, so the work ahead also counts
+``ingest_share`` times that time per such image (``IngestEstimate``; the share is the fraction of decode
+workers that find no core torch leaves free: ``served_model.ingest_share``). The throughput estimate,
+measured in a steady flow, holds the decode of a steady flow (the few images of that flow still to be
+decoded are charged again: measured, it cost no goodput); a flood's opening burst leases hundreds of
+places before any body is read, and the first answer left ~0.45 s later (README, overload): the burst's
+requests overshot the target by that much.
 """
 
 from __future__ import annotations

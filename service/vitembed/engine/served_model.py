@@ -150,12 +150,14 @@ def choose_precision(
 
 def ingest_share(backbone: Backbone, settings: ServiceSettings) -> float:
     """How much of an image's decode CPU time delays this model's forward pass (admission's
-    ``ingest_share``): all of it on the CPU when torch has a thread on every core this process may use
-    (the decode pool then runs on cores the forward pass is using), none on an accelerator or when torch
-    leaves cores free."""
+    ``ingest_share``): the fraction of the decode workers that find no core the forward pass leaves free.
+    All of it on the CPU when torch has a thread on every core this process may use; half with 2 cores, 1
+    torch thread and 2 decode workers; none on an accelerator."""
     if not settings.admission_counts_decode or backbone.device.type != "cpu":
         return 0.0
-    return 1.0 if torch.get_num_threads() >= available_cpus() else 0.0
+    free_cores = max(0, available_cpus() - torch.get_num_threads())
+    workers = settings.decode_workers
+    return max(0, workers - free_cores) / workers
 
 
 def seed_estimate(

@@ -59,7 +59,9 @@ class ThroughputEstimate:
 
 class IngestEstimate:
     """CPU seconds to decode and preprocess one image (the decode thread's own CPU time, not its wall time,
-    which a flood inflates), averaged over the last ``window`` images."""
+    which a flood inflates), averaged over the last ``window`` images. A family whose preprocessing runs in
+    torch (``preprocess._run_torch``) also spends CPU on the OpenMP workers its resize starts, which a
+    thread's own time does not see: its decode cost is undercounted."""
 
     def __init__(self, window: int = INGEST_WINDOW) -> None:
         self._seconds: deque[float] = deque(maxlen=window)
