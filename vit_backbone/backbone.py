@@ -21,6 +21,7 @@ from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult, backbone_i
 from .checkpoint import CheckpointFacts, ResolvedCheckpoint
 from .errors import InvalidOptionError, SizeError
 from .features import Features, LayerTokens
+from .graphs import ForwardGraphs, run_graph
 from .model_config import ModelConfig
 from .module_paths import find_blocks, get_attr
 from .pool_requests import pooled_many
@@ -106,6 +107,7 @@ class Backbone:
         self._positions: PositionTableCache | None = None
         # per image (rows, cols) of the image inside a letterboxed grid, set for one forward under the lock
         self._image_boxes: list[tuple[int, int, int, int] | None] | None = None
+        self._graphs: ForwardGraphs | None = None  # use_graphs()
         self._takes_attention_mask = "attention_mask" in inspect.signature(model.forward).parameters
         if spec.pos_embed == "learned":
             self._install_position_rule()
@@ -250,12 +252,28 @@ class Backbone:
         kwargs: dict[str, Any] = {"output_hidden_states": True}
         if self.spec.needs_interpolate_flag:
             kwargs["interpolate_pos_encoding"] = True
-        with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
-            out = self.model(pixel_values, **kwargs)
+
+        def eager(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = self.model(x, **kwargs)
             hidden = out.hidden_states  # L+1 x [B, P + h*w, D]; [0] is the embedding output
-            last = self._split(self._final_norm(hidden[-1]), grid, valid)
-            per_layer = {i: self._split(self._final_norm(hidden[i + 1]), grid, valid) for i in chosen}
-        pooler = getattr(out, "pooler_output", None)
+            pooler = getattr(out, "pooler_output", None)
+            chosen_hidden = [hidden[i + 1] for i in chosen]
+            return (hidden[-1], *chosen_hidden, *(() if pooler is None else (pooler,)))
+
+        outputs = (
+            None
+            if valid is not None
+            else self._graph_forward(("all", grid, tuple(chosen)), eager, pixel_values)
+        )
+        if outputs is None:
+            with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
+                outputs = eager(pixel_values)
+        with self._autocast():
+            last = self._split(self._final_norm(outputs[0]), grid, valid)
+            per_layer = {
+                i: self._split(self._final_norm(outputs[1 + k]), grid, valid) for k, i in enumerate(chosen)
+            }
+        pooler = outputs[1 + len(chosen)] if len(outputs) > 1 + len(chosen) else None
         projection = None
         if self.projection is not None:
             with self._autocast():
@@ -287,30 +305,75 @@ class Backbone:
             {"interpolate_pos_encoding": True} if self.spec.needs_interpolate_flag else {}
         )
         blocks = getattr(self._blocks_owner, self._blocks_name)
-        deepest = max(chosen)
-        captured: dict[int, torch.Tensor] = {}
+        wanted = sorted(set(chosen))
+        deepest = wanted[-1]
 
-        def capture(index: int) -> Callable[..., None]:
-            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                captured[index] = output[0] if isinstance(output, tuple) else output  # [B, P + h*w, D]
-                if index == deepest:
-                    raise _StopForward  # nothing after this block is needed
+        def eager(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            captured: dict[int, torch.Tensor] = {}
 
-            return hook
+            def capture(index: int) -> Callable[..., None]:
+                def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                    captured[index] = output[0] if isinstance(output, tuple) else output  # [B, P + h*w, D]
+                    if index == deepest:
+                        raise _StopForward  # nothing after this block is needed
 
-        # Hooks rather than output_hidden_states on a shortened block list: transformers installs its own
-        # output-capturing hooks once, lazily, on the blocks it first sees, so mutating the model would
-        # corrupt every later full forward pass.
-        with self._forward_lock:
-            handles = [blocks[i].register_forward_hook(capture(i)) for i in set(chosen)]
+                return hook
+
+            # Hooks rather than output_hidden_states on a shortened block list: transformers installs its
+            # own output-capturing hooks once, lazily, on the blocks it first sees, so mutating the model
+            # would corrupt every later full forward pass.
+            handles = [blocks[i].register_forward_hook(capture(i)) for i in wanted]
             try:
-                with self._autocast(), contextlib.suppress(_StopForward), self._letterbox(valid, kwargs):
-                    self.model(pixel_values, **kwargs)
+                with contextlib.suppress(_StopForward):
+                    self.model(x, **kwargs)
             finally:
                 for handle in handles:
                     handle.remove()
+            return tuple(captured[i] for i in wanted)
+
+        outputs = (
+            None
+            if valid is not None
+            else self._graph_forward(("layers", grid, tuple(wanted)), eager, pixel_values)
+        )
+        if outputs is None:
+            with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
+                outputs = eager(pixel_values)
+        by_block = dict(zip(wanted, outputs, strict=True))
+        with self._autocast():
+            return {i: self._split(self._final_norm(by_block[i]), grid, valid) for i in chosen}
+
+    # ------------------------------------------------------------------ graphs
+    def use_graphs(self, enabled: bool = True) -> None:
+        """Run forward passes as traced TorchScript graphs where they allow it (``vit_backbone.graphs``):
+        the GIL is released for the whole pass, so passes in several threads run side by side, and a
+        server's Python threads no longer stall them. Off by default: a size is traced (~0.4 s) the second
+        time it is seen."""
+        self._graphs = ForwardGraphs() if enabled else None
+
+    @property
+    def graphs(self) -> ForwardGraphs | None:
+        return self._graphs
+
+    def _graph_forward(
+        self,
+        what: tuple[Any, ...],
+        eager: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+        x: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The outputs of ``eager(x)`` from a graph, if one is built or is built now; None: run eagerly."""
+        graphs = self._graphs
+        if graphs is None:
+            return None
+        key = (*what, self.autocast, str(self.device))
+        graph = graphs.get(key)
+        if graph is not None:
             with self._autocast():
-                return {i: self._split(self._final_norm(captured[i]), grid, valid) for i in chosen}
+                return run_graph(graph, x)
+        if not graphs.wanted(key):
+            return None
+        with self._forward_lock:  # tracing runs the eager model, its hooks included
+            return graphs.build(key, self.model, eager, x, self._autocast)
 
     def pooled(
         self,

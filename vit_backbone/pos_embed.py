@@ -65,7 +65,9 @@ class PositionTableCache:
     which is wasted work when every request at a given size asks for the same table."""
 
     def __init__(self, table: torch.Tensor, *, has_cls: bool, method: ResampleMethod) -> None:
-        # table: [1, P + M_h*M_w, D] where P = 1 if has_cls else 0
+        # table: [1, P + M_h*M_w, D] where P = 1 if has_cls else 0; detached (same storage) so that a
+        # traced forward can hold the resampled tables as constants
+        table = table.detach()
         self._prefix = table[:, :1] if has_cls else table[:, :0]  # [1, P, D]
         self._patches = table[:, 1:] if has_cls else table  # [1, M_h*M_w, D]
         self.source_grid = square_grid(self._patches.shape[1])

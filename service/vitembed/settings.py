@@ -65,7 +65,18 @@ class ServiceSettings(BaseSettings):
     # kept only if warm-up embeddings stay within cosine 0.999 of float32
     device: str = "auto"  # the CLI's default everywhere (serve, embed-catalog): CUDA when available
     precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(
+        None, ge=1
+    )  # per forward thread; default: usable CPUs / forward_workers
+    # forward passes as traced TorchScript graphs where they allow it (vit_backbone.graphs): the GIL is
+    # released for the whole pass, so the forward threads run side by side and the event loop and decode
+    # workers no longer stall them at every torch op
+    forward_graphs: bool = True
+    # forward threads per model; 0 = auto: on the CPU with graphs, one per usable CPU up to 4, each with
+    # (CPUs / threads) torch threads (2 cores: 2 threads of 1: 92 images/s model-only against 72 for one
+    # thread of 2, and no OpenMP barrier between the cores for another thread's work to stall; README,
+    # overload); otherwise 1
+    forward_workers: int = Field(0, ge=0, le=64)
     # how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval). The
     # forward thread takes the GIL back after every torch op; under overload the event loop holds it answering
     # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s

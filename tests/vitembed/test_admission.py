@@ -477,8 +477,10 @@ def test_a_reservation_counts_its_decode_until_each_image_is_decoded() -> None:
     second.decoded()  # a pool job that outlived the request
     assert load.predicted_wait_s(1, 100) == 0.125 + 0.125
     third = load.admit(1, 100, deadline_left_s=30.0)
-    load.begin([first, third], tokens=100)  # third reached a pass without ``decoded``: not counted twice
-    load.end(tokens=100, images=2, seconds=None)
+    running = load.begin(
+        [first, third], tokens=100
+    )  # third reached a pass without ``decoded``: not counted twice
+    load.end(running, tokens=100, images=2, seconds=None)
     assert load.predicted_wait_s(1, 100) == 0.125 and control.held == 0
 
 

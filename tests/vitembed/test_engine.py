@@ -25,6 +25,7 @@ from vitembed.engine.engine import (
     RequestImageError,
     RequestTicket,
     configure_threads,
+    forward_plan,
 )
 from vitembed.engine.precision_cache import CACHE_FILE
 from vitembed.engine.served_model import ingest_share
@@ -129,8 +130,10 @@ def test_admission_learns_the_decode_cost_and_counts_no_decode_once_requests_end
     with pytest.raises(RequestImageError):
         asyncio.run(embed(engine, [jpeg(64, 64, 5), b"not an image"]))
     assert load._undecoded == 0 and engine.admission.held == 0
-    free = available_cpus() - torch.get_num_threads()
+    workers = len(served.batcher._threads)
+    free = available_cpus() - workers * torch.get_num_threads()
     assert load.ingest_share == max(0, 2 - max(0, free)) / 2  # the fixture's 2 decode workers
+    assert load.workers == workers
     settings = ServiceSettings(decode_workers=2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: available_cpus())
     assert ingest_share(served.backbone, settings) == 1.0
@@ -139,6 +142,11 @@ def test_admission_learns_the_decode_cost_and_counts_no_decode_once_requests_end
     assert ingest_share(served.backbone, settings) == 0.5  # one decode worker finds a free core
     monkeypatch.setattr(served_model, "available_cpus", lambda: torch.get_num_threads() + 4)
     assert ingest_share(served.backbone, settings) == 0.0
+    # two forward threads of one torch thread each on 2 cores leave no core free
+    monkeypatch.setattr(served_model, "available_cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert ingest_share(served.backbone, settings, forward_workers=2) == 1.0
+    assert ingest_share(served.backbone, settings, forward_workers=1) == 0.5
     on_an_accelerator = cast(Backbone, SimpleNamespace(device=torch.device("meta")))  # all it reads
     assert ingest_share(on_an_accelerator, settings) == 0.0
 
@@ -256,14 +264,30 @@ def test_configure_threads_shortens_the_gil_switch_interval() -> None:
     before_interval, before_threads = sys.getswitchinterval(), torch.get_num_threads()
     try:
         sys.setswitchinterval(0.005)
-        configure_threads(ServiceSettings(torch_threads=1))
+        cpu = torch.device("cpu")
+        assert configure_threads(ServiceSettings(torch_threads=1, forward_workers=1), cpu) == 1
         assert sys.getswitchinterval() == pytest.approx(0.0005)
         assert torch.get_num_threads() == 1
-        configure_threads(ServiceSettings(torch_threads=1, gil_switch_interval_ms=2))
+        configure_threads(ServiceSettings(torch_threads=1, gil_switch_interval_ms=2), cpu)
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before_interval)
         torch.set_num_threads(before_threads)
+
+
+def test_the_forward_plan_splits_the_cpus_between_forward_threads() -> None:
+    """With graphs on the CPU, one forward thread per usable CPU up to 4, sharing the CPUs' torch threads
+    (2 cores: 2 x 1); eager passes or an accelerator: one thread with every CPU; explicit settings win."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    graphs, eager = ServiceSettings(), ServiceSettings(forward_graphs=False)
+    assert forward_plan(graphs, cpu, cpus=1) == (1, 1)
+    assert forward_plan(graphs, cpu, cpus=2) == (2, 1)
+    assert forward_plan(graphs, cpu, cpus=3) == (3, 1)
+    assert forward_plan(graphs, cpu, cpus=16) == (4, 4)
+    assert forward_plan(graphs, gpu, cpus=16) == (1, 16)
+    assert forward_plan(eager, cpu, cpus=2) == (1, 2)
+    assert forward_plan(ServiceSettings(forward_workers=1), cpu, cpus=2) == (1, 2)
+    assert forward_plan(ServiceSettings(torch_threads=2), cpu, cpus=2) == (2, 2)
 
 
 def test_gil_switch_interval_must_be_positive() -> None:

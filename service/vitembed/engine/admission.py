@@ -211,7 +211,10 @@ class ModelLoad:
         batch_wait_s: float,
         batch_images: Callable[[int], int] | None = None,
         ingest_share: float = 0.0,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError("a model needs at least one forward thread")
         self._control = control
         self.name = name
         self.batch_wait_s = batch_wait_s
@@ -219,15 +222,19 @@ class ModelLoad:
         # how much of an image's decode CPU time delays the forward pass: 1 where they share all the cores
         # (a CPU model with a thread per core), 0 where the forward pass runs elsewhere (a GPU)
         self.ingest_share = ingest_share
+        # forward passes that run side by side (forward threads): the estimate holds seconds of the model's
+        # time per image, a pass's duration over the passes sharing the cores, so that the queue ahead
+        # drains at the estimate's rate whatever the number of threads
+        self.workers = workers
         self.estimate = ThroughputEstimate()
         self.ingest = IngestEstimate()
         self.calibration = WaitCalibration()
         self.spread = RetrySpread()
         self._reserved: Counter[int] = Counter()  # expected tokens -> images
         self._undecoded = 0  # reserved images not yet decoded
-        self._running = 0  # images in the forward pass now
-        self._running_s = 0.0  # its predicted duration
-        self._running_since = 0.0
+        # passes running now: id -> (images, predicted duration of the pass, started at)
+        self._running: dict[int, tuple[int, float, float]] = {}
+        self._next_pass = 0
         self._leases: dict[int, tuple[float, int, int]] = {}  # id -> (expires at, images, tokens)
         self._next_lease = 0
         # releases of queued work (``release``: dropped or failed), ever, and the admission order (``seq``) of
@@ -331,8 +338,11 @@ class ModelLoad:
         return self.ingest_share * self.ingest.per_image_s
 
     def _batch_tail_s(self, tokens: int, per_image: float) -> float:
-        """The rest of the request's last batch: up to images-per-pass - 1 images queued behind it."""
-        return 0.0 if self._batch_images is None else (self._batch_images(tokens) - 1) * per_image
+        """The rest of the request's last batch: up to images-per-pass - 1 images queued behind it; with
+        passes side by side, a pass lasts that many times longer than its share of the model's time."""
+        if self._batch_images is None:
+            return 0.0
+        return (self._batch_images(tokens) * self.workers - 1) * per_image
 
     def _ahead_s(self) -> float:
         """Predicted seconds until work admitted now could start (caller holds the lock)."""
@@ -340,8 +350,9 @@ class ModelLoad:
         for tokens, count in self._reserved.items():
             ahead += count * (self.estimate.per_image_s(tokens) or 0.0)
         if self._running:
-            elapsed = time.monotonic() - self._running_since
-            ahead += max(self._running_s - elapsed, 0.0)
+            now = time.monotonic()
+            left = sum(max(run_s - (now - since), 0.0) for _, run_s, since in self._running.values())
+            ahead += left / self.workers
         return ahead
 
     def predicted_wait_s(self, images: int, tokens: int) -> float:
@@ -398,8 +409,8 @@ class ModelLoad:
             self.ingest.observe(cpu_s)
 
     # ------------------------------------------------------------------ the forward thread's side
-    def begin(self, reservations: Iterable[Reservation], tokens: int) -> None:
-        """A batch starts: its images move from reserved to running."""
+    def begin(self, reservations: Iterable[Reservation], tokens: int) -> int:
+        """A batch starts: its images move from reserved to running. Returns the pass's id for ``end``."""
         with self._control.lock:
             count = 0
             for reservation in reservations:
@@ -410,24 +421,25 @@ class ModelLoad:
                     if reservation.undecoded > reservation.remaining:  # reached a pass without ``decoded``
                         self._undecoded -= reservation.undecoded - reservation.remaining
                         reservation.undecoded = reservation.remaining
-            self._running = count
-            self._running_s = count * (self.estimate.per_image_s(tokens) or 0.0)
-            self._running_since = time.monotonic()
+            self._next_pass += 1
+            run_s = count * (self.estimate.per_image_s(tokens) or 0.0) * self.workers
+            self._running[self._next_pass] = (count, run_s, time.monotonic())
+            return self._next_pass
 
     def observe(self, tokens: int, images: int, seconds: float) -> None:
-        """A forward pass timed outside the queue (the start-up measurement)."""
+        """A forward pass timed outside the queue (the start-up measurement, alone: as if the other
+        forward threads ran beside it)."""
         with self._control.lock:
-            self.estimate.observe(tokens, images, seconds)
+            self.estimate.observe(tokens, images, seconds / self.workers)
 
-    def end(self, tokens: int, images: int, seconds: float | None) -> None:
-        """The batch is done: its images leave the hard cap; a pass that succeeded (``seconds`` given)
-        joins the throughput estimate."""
+    def end(self, running: int, tokens: int, images: int, seconds: float | None) -> None:
+        """Pass ``running`` (``begin``'s id) is done: its images leave the hard cap; a pass that succeeded
+        (``seconds`` given) joins the throughput estimate."""
         with self._control.lock:
             if seconds is not None:
-                self.estimate.observe(tokens, images, seconds)
-            self._control.held -= self._running
-            self._running = 0
-            self._running_s = 0.0
+                self.estimate.observe(tokens, images, seconds / self.workers)
+            count, _, _ = self._running.pop(running, (0, 0.0, 0.0))
+            self._control.held -= count
 
     def _take(self, tokens: int, count: int) -> None:
         left = self._reserved[tokens] - count
@@ -470,11 +482,14 @@ class AdmissionControl:
         batch_wait_s: float = 0.0,
         batch_images: Callable[[int], int] | None = None,
         ingest_share: float = 0.0,
+        workers: int = 1,
     ) -> ModelLoad:
         with self.lock:
             load = self._loads.get(name)
             if load is None:
-                load = self._loads[name] = ModelLoad(self, name, batch_wait_s, batch_images, ingest_share)
+                load = self._loads[name] = ModelLoad(
+                    self, name, batch_wait_s, batch_images, ingest_share, workers
+                )
             return load
 
     @property

@@ -1,6 +1,7 @@
 """Dynamic batching: concurrent requests share forward passes.
 
-One batcher (and one forward thread) per model. Items wait in per-key queues, the key being everything
+One batcher per model, with one forward thread, or several side by side where the passes run as graphs
+without the GIL (``workers``). Items wait in per-key queues, the key being everything
 that must be equal inside one forward pass: the patch grid and the output options. A batch closes when it
 holds ``max_batch_size`` items, when the next item would pass the patch-token budget, or when its oldest
 item has waited ``max_wait_s``. Admission happens before the batcher, in ``admission.py`` (before any
@@ -99,9 +100,10 @@ class DynamicBatcher:
         clock: Callable[
             [], float
         ] = time.monotonic,  # queue waits, deadlines, pass timings (tests inject one)
+        workers: int = 1,  # forward threads taking batches side by side (graphs: no GIL between them)
     ) -> None:
-        if max_batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0:
-            raise ValueError("max_batch_size and max_batch_tokens must be ≥ 1 and max_wait_s ≥ 0")
+        if max_batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0 or workers < 1:
+            raise ValueError("max_batch_size, max_batch_tokens and workers must be ≥ 1 and max_wait_s ≥ 0")
         self.name = name
         self._run_batch = run_batch
         self._load = load
@@ -116,8 +118,12 @@ class DynamicBatcher:
         self._depth = 0
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"forward-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"forward-{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # ----------------------------------------------------------------- producer side
     def submit(self, items: Sequence[WorkItem]) -> None:
@@ -212,7 +218,9 @@ class DynamicBatcher:
         started = self._clock()
         queue_wait = started - min(item.enqueued for item in batch)
         tokens = batch[0].tokens  # one key per batch: every item has the same grid
-        self._load.begin((item.reservation for item in batch if item.reservation is not None), tokens)
+        running = self._load.begin(
+            (item.reservation for item in batch if item.reservation is not None), tokens
+        )
         rows: Sequence[Any] | None = None
         failure: Exception | None = None
         try:
@@ -222,7 +230,7 @@ class DynamicBatcher:
             failure = exc
         elapsed = self._clock() - started
         # the images leave the admission state before their requests learn the outcome
-        self._load.end(tokens, len(batch), elapsed if rows is not None else None)
+        self._load.end(running, tokens, len(batch), elapsed if rows is not None else None)
         if rows is not None:
             for row, item in zip(rows, batch, strict=True):
                 if not item.future.done():
@@ -240,12 +248,14 @@ class DynamicBatcher:
 
     # ----------------------------------------------------------------- lifecycle
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Finish what is queued, then end the forward thread."""
+        """Finish what is queued, then end the forward threads."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        ends = time.monotonic() + (timeout if timeout is not None else 0.0)
+        for thread in self._threads:
+            thread.join(None if timeout is None else max(0.0, ends - time.monotonic()))
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return all(thread.is_alive() for thread in self._threads)

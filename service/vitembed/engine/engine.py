@@ -99,8 +99,8 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Load every model, choose its precision, and run a real forward pass before reporting ready."""
-        configure_threads(self.settings)
         device = pick_device(self.settings.device)
+        workers = configure_threads(self.settings, device)
         for name, target in self.settings.models.items():
             self._served[name] = start_model(
                 name,
@@ -112,6 +112,7 @@ class Engine:
                 metrics=self.metrics,
                 forward=self._forward,
                 on_drop=self._record_drop,
+                workers=workers,
             )
         self._heads = bind_heads(self.settings.heads, {n: s.backbone for n, s in self._served.items()})
         self._ready = True
@@ -475,16 +476,33 @@ class Engine:
         self.metrics.rejected.labels(reason, "queued").inc()
 
 
-def configure_threads(settings: ServiceSettings) -> None:
-    """Process-wide thread settings of a serving process: torch's intra-op threads (an explicit setting
-    wins; otherwise the CPUs this process may use, from affinity and cgroup quota, not the host's core count
-    torch sees by default: `--cpus 1` in a container -> 1 thread) and the GIL switch interval, short so that
-    the forward thread, which takes the GIL back after every torch op, does not wait behind the event loop."""
-    threads = settings.torch_threads or available_cpus()
+def forward_plan(settings: ServiceSettings, device: torch.device, cpus: int | None = None) -> tuple[int, int]:
+    """(forward threads per model, torch threads). The usable CPUs come from affinity and the cgroup quota,
+    not the host's core count torch sees by default (`--cpus 1` in a container -> 1 thread). On the CPU
+    with graphs, the passes run side by side, one per CPU up to 4, and share the CPUs' torch threads; an
+    eager pass takes the GIL back at every op, so eager passes, and passes on an accelerator, run one at
+    a time with every CPU."""
+    cpus = cpus or available_cpus()
+    workers = settings.forward_workers
+    if workers == 0:
+        workers = min(cpus, 4) if settings.forward_graphs and device.type == "cpu" else 1
+    threads = settings.torch_threads or max(1, cpus // workers)
+    return workers, threads
+
+
+def configure_threads(settings: ServiceSettings, device: torch.device) -> int:
+    """Process-wide thread settings of a serving process: torch's intra-op threads (``forward_plan``) and the
+    GIL switch interval, short so that an eager forward thread, which takes the GIL back after every torch
+    op, does not wait behind the event loop. Returns the forward threads per model."""
+    workers, threads = forward_plan(settings, device)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
-    log.info("torch threads: %d; GIL switch interval %g ms", threads, settings.gil_switch_interval_ms)
+    log.info(
+        "forward threads per model: %d, torch threads: %d (graphs %s); GIL switch interval %g ms",
+        workers, threads, "on" if settings.forward_graphs else "off", settings.gil_switch_interval_ms,
+    )  # fmt: skip
+    return workers
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -70,12 +70,15 @@ def start_model(
     metrics: Metrics,
     forward: Forward,
     on_drop: Callable[[str], None],
+    workers: int = 1,
 ) -> ServedModel:
     """Load ``target``, choose its precision, seed its throughput estimate and start its batcher."""
     started = time.monotonic()
     backbone = load_backbone(target, device=device, cache_dir=settings.cache_dir)
     loaded = time.monotonic()
     precision = choose_precision(name, backbone, settings.precision, settings.cache_dir)
+    if settings.forward_graphs:  # after the precision probe: its timings compare eager passes
+        backbone.use_graphs()
     chosen = time.monotonic()
     preprocessor = Preprocessor(
         backbone.preprocess_config, backbone.patch_size, backbone.processing_grid, limits=limits
@@ -84,7 +87,8 @@ def start_model(
         name,
         batch_wait_s=settings.max_wait_ms / 1000,
         batch_images=partial(images_per_batch, settings.max_batch_size, settings.max_batch_tokens),
-        ingest_share=ingest_share(backbone, settings),
+        ingest_share=ingest_share(backbone, settings, workers),
+        workers=workers,
     )
     seed_estimate(backbone, preprocessor, load, settings)
 
@@ -104,6 +108,7 @@ def start_model(
         on_batch=on_batch,
         on_depth=metrics.queue_depth.labels(name).set,
         on_drop=on_drop,
+        workers=workers,
     )
     ready = time.monotonic()
     log.info(
@@ -148,14 +153,15 @@ def choose_precision(
     return choice
 
 
-def ingest_share(backbone: Backbone, settings: ServiceSettings) -> float:
+def ingest_share(backbone: Backbone, settings: ServiceSettings, forward_workers: int = 1) -> float:
     """How much of an image's decode CPU time delays this model's forward pass (admission's
     ``ingest_share``): the fraction of the decode workers that find no core the forward pass leaves free.
-    All of it on the CPU when torch has a thread on every core this process may use; half with 2 cores, 1
-    torch thread and 2 decode workers; none on an accelerator."""
+    All of it on the CPU when the forward threads' torch threads cover every core this process may use (the
+    default); half with 2 cores, one forward thread of 1 torch thread and 2 decode workers; none on an
+    accelerator."""
     if not settings.admission_counts_decode or backbone.device.type != "cpu":
         return 0.0
-    free_cores = max(0, available_cpus() - torch.get_num_threads())
+    free_cores = max(0, available_cpus() - forward_workers * torch.get_num_threads())
     workers = settings.decode_workers
     return max(0, workers - free_cores) / workers
 
@@ -166,7 +172,8 @@ def seed_estimate(
     """Time one full batch at the default options, so that admission predicts waits from the first request
     on (later forward passes keep the estimate current). A full batch, not a smaller one: per-image cost
     falls with the batch size, and a small batch's would make admission refuse work the server can do
-    (measured: 32 concurrent single images refused with a 2-image seed)."""
+    (measured: 32 concurrent single images refused with a 2-image seed). With graphs, the default options'
+    graph is built first and the timed pass is the graph's."""
     cpu_started = time.thread_time()
     prepared = preprocessor(
         probe_images()[0], policy=backbone.check_policy(None), size=backbone.choose_size(None)
@@ -179,6 +186,10 @@ def seed_estimate(
     pixel_values, _ = stack([prepared] * count)  # [count, 3, H, W]
     valid = stack_valid([prepared] * count)  # [count, h, w] or None
     pixel_values = to_device(pixel_values, backbone.device)
+    graphs = backbone.graphs
+    if graphs is not None:  # the default size's graph is traced here, not on the first requests
+        for _ in range(graphs.trace_after):
+            backbone.pooled(pixel_values, pooling, layers, valid=valid)
     started = time.perf_counter()
     backbone.pooled(pixel_values, pooling, layers, valid=valid)
     load.observe(tokens, count, time.perf_counter() - started)
