@@ -12,9 +12,10 @@ A graph is specialised to what it was traced with: the patch grid (position tabl
 and the autocast dtype; the batch size stays free. So a graph is keyed by those, traced the ``trace_after``-th
 time its key is seen (sizes seen once, e.g. under ``policy='dynamic'``, stay eager), checked against the
 eager pass on the same input before use, and kept in a small LRU: frozen graphs hold their own folded
-constants (the bfloat16 weights: ~45 MB per graph for DINOv2-S). A key whose trace fails, or whose graph
-does not match the eager pass, is not tried again. Letterboxed batches (a per-batch attention mask and
-position boxes) always run eagerly.
+constants (the bfloat16 weights: ~45 MB per graph for DINOv2-S). A key whose trace fails, whose graph
+does not match the eager pass, or whose graph was dropped from the LRU is not traced again (sizes taking
+turns past the slots stay eager rather than re-traced on every turn). Letterboxed batches (a per-batch
+attention mask and position boxes) always run eagerly.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class ForwardGraphs:
             self._graphs[key] = graph
             self.traced += 1
             while len(self._graphs) > self.slots:
-                self._graphs.popitem(last=False)
+                dropped, _ = self._graphs.popitem(last=False)
+                self._failed.add(dropped)  # sizes taking turns past the slots are not traced over and over
         return expected
 
     def __len__(self) -> int:

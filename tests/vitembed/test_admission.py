@@ -15,6 +15,7 @@ from vitembed.engine.admission import (
     QUEUE_FULL,
     AdmissionControl,
     Decision,
+    ModelLoad,
     QueueFullError,
     RetrySpread,
     decide,
@@ -492,3 +493,29 @@ def test_the_ingest_estimate_averages_the_recent_decodes() -> None:
     assert estimate.per_image_s == 0.75  # the last four
     estimate.observe(-1.0)  # a clock that went backwards: ignored
     assert estimate.per_image_s == 0.75
+
+
+def test_passes_side_by_side_count_the_model_time_they_leave() -> None:
+    """Two forward threads: a pass of 8 images measured at 1 s is 1/16 s of the model's time per image. Two
+    passes just begun (1 s left each, sharing the cores) delay the queue by 1 s, not 2; one left alone by
+    half its time. The rest of a request's batch is a whole pass (8 x 2 - 1 images' worth) of its own."""
+    control = AdmissionControl(capacity=64, target_s=10.0)
+    load = control.model("m", batch_images=lambda tokens: 8, workers=2)
+    load.observe(100, 8, 1.0)
+    assert load.estimate.per_image_s(100) == pytest.approx(1 / 16)
+    first = load.admit(8, 100, deadline_left_s=30.0)
+    second = load.admit(8, 100, deadline_left_s=30.0)
+    assert control.held == 16
+    tail = 15 / 16
+    assert load.predicted_wait_s(1, 100) == pytest.approx(16 / 16 + 1 / 16 + tail)
+    a = load.begin([first] * 8, tokens=100)
+    b = load.begin([second] * 8, tokens=100)
+    # two passes just begun: 1 s each left, over two threads
+    assert load.predicted_wait_s(1, 100) == pytest.approx(1.0 + 1 / 16 + tail, abs=0.01)
+    load.end(a, 100, 8, 1.0)
+    assert control.held == 8  # only the pass that ended leaves the hard cap
+    assert load.predicted_wait_s(1, 100) == pytest.approx(0.5 + 1 / 16 + tail, abs=0.01)
+    load.end(b, 100, 8, 1.0)
+    assert control.held == 0 and load.predicted_wait_s(1, 100) == pytest.approx(1 / 16 + tail)
+    with pytest.raises(ValueError, match="at least one forward thread"):
+        ModelLoad(control, "x", 0.0, workers=0)

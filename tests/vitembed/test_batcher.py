@@ -213,3 +213,35 @@ def test_stop_finishes_queued_work() -> None:
     batcher.submit(items)
     batcher.stop()
     assert [float(it.future.result(1)[0]) for it in items] == [0.0, 1.0, 2.0]
+
+
+def test_forward_threads_run_batches_side_by_side_and_keep_the_admission_state_exact() -> None:
+    """With two forward threads, two batches are in their passes at once (each waits at a barrier that
+    only both together pass: one thread would time out), every item gets its own row, and the hard cap and
+    the reserved work come back to zero; the estimate is the model's time per image (pass time / threads)."""
+    control = AdmissionControl(capacity=8, target_s=10.0)
+    load = control.model("t", workers=2)
+    both = threading.Barrier(2, timeout=10)
+    seen: list[list[float]] = []
+
+    def run(items: Sequence[WorkItem]) -> np.ndarray:
+        values = [float(i.prepared.pixel_values[0, 0, 0]) for i in items]
+        both.wait()  # raises BrokenBarrierError after 10 s if the other pass never starts
+        seen.append(values)
+        return np.array(values, dtype=np.float32)[:, None]
+
+    batcher = DynamicBatcher(
+        "t", run, load=load, max_batch_size=2, max_batch_tokens=10_000, max_wait_s=0.0, workers=2
+    )
+    ticket = RequestTicket(time.monotonic() + 30)
+    reservation = load.admit(4, 5, deadline_left_s=30.0)
+    items = [item(float(i), ticket, reservation=reservation) for i in range(4)]
+    batcher.submit(items)
+    assert [float(it.future.result(15)[0]) for it in items] == [0.0, 1.0, 2.0, 3.0]
+    assert batcher.alive
+    batcher.stop()
+    assert not batcher.alive
+    assert sorted(len(b) for b in seen) == [2, 2]
+    assert (control.held, load.reserved_images, reservation.remaining) == (0, 0, 0)
+    with pytest.raises(ValueError, match="workers"):
+        DynamicBatcher("t", run, load=load, max_batch_size=2, max_batch_tokens=10, max_wait_s=0.0, workers=0)

@@ -58,7 +58,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 # settings without a flag of their own: environment only
 _ENV_ONLY = (
     "VITEMBED_API_KEY (bearer token for /v1/*; default: no auth)",
-    "VITEMBED_TORCH_THREADS",
+    "VITEMBED_TORCH_THREADS (per forward thread; default: usable CPUs / forward threads)",
+    "VITEMBED_FORWARD_GRAPHS (default true: forward passes run as traced graphs, without the GIL)",
+    "VITEMBED_FORWARD_WORKERS (forward threads per model; default 0 = auto: one per usable CPU up to 4 "
+    "on the CPU with graphs, else 1)",
     "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_GC_FREEZE (default true: the start-up heap is frozen out of the cyclic GC once the app is "
     "ready)",

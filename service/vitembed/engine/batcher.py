@@ -172,6 +172,8 @@ class DynamicBatcher:
                         del self._queues[key]
                     self._depth -= len(batch)
                     self._report_depth()
+                    if self._depth:  # work left: another forward thread may take it (submit woke one)
+                        self._cond.notify()
                     return batch
                 self._cond.wait(timeout=self._max_wait_s - waited)
 

@@ -77,7 +77,8 @@ def start_model(
     backbone = load_backbone(target, device=device, cache_dir=settings.cache_dir)
     loaded = time.monotonic()
     precision = choose_precision(name, backbone, settings.precision, settings.cache_dir)
-    if settings.forward_graphs:  # after the precision probe: its timings compare eager passes
+    # after the precision probe (its timings compare eager passes); the CPU only: graphs are measured there
+    if settings.forward_graphs and device.type == "cpu":
         backbone.use_graphs()
     chosen = time.monotonic()
     preprocessor = Preprocessor(
