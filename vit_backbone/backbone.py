@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,10 @@ from .backbone_facts import BackboneInfo, EmbedDefaults, EmbedResult, backbone_i
 from .checkpoint import CheckpointFacts, ResolvedCheckpoint
 from .errors import InvalidOptionError, SizeError
 from .features import Features, LayerTokens
-from .graphs import ForwardGraphs, run_graph
+from .graphs import ForwardGraphs
 from .model_config import ModelConfig
 from .module_paths import find_blocks, get_attr
+from .passes import Pass, up_to_blocks, whole_network
 from .pool_requests import pooled_many
 from .pooling import (
     WHOLE_NETWORK,
@@ -35,7 +36,7 @@ from .pooling import (
     pooled_array,
     pooled_dim,
 )
-from .pos_embed import PositionTableCache, image_box, letterbox_positions
+from .pos_embed import PositionTableCache, image_box, install_position_rule
 from .preprocess import (
     Prepared,
     PreprocessConfig,
@@ -55,10 +56,6 @@ __all__ = ["Backbone", "BackboneInfo", "EmbedDefaults", "EmbedResult", "ImageInp
 
 ImageInput = Image.Image | bytes
 LayersArg = int | Sequence[int] | None
-
-
-class _StopForward(Exception):
-    """Raised by a block hook to end a forward pass early; never leaves ``layer_features``."""
 
 
 class Backbone:
@@ -107,37 +104,24 @@ class Backbone:
         self._positions: PositionTableCache | None = None
         # per image (rows, cols) of the image inside a letterboxed grid, set for one forward under the lock
         self._image_boxes: list[tuple[int, int, int, int] | None] | None = None
-        self._graphs: ForwardGraphs | None = None  # use_graphs()
+        self.graphs: ForwardGraphs | None = None  # use_graphs()
         self._takes_attention_mask = "attention_mask" in inspect.signature(model.forward).parameters
         if spec.pos_embed == "learned":
             self._install_position_rule()
 
     # ------------------------------------------------------------------ positions
     def _install_position_rule(self) -> None:
-        """Route the model's own position lookup through our declared rule and per-grid cache.
-
-        Every learned-table family in transformers calls ``embeddings.interpolate_pos_encoding(emb, H, W)``
-        with pixel sizes; replacing it on the instance keeps the rest of transformers' forward untouched.
-        """
+        """Route the model's own position lookup through our declared rule and per-grid cache."""
         table = get_attr(self.model, self.spec.pos_table_attr)
-        if table.dim() == 2:  # nn.Embedding weight [P + N, D]
-            table = table.unsqueeze(0)  # [1, P + N, D]
-        self._positions = PositionTableCache(table, has_cls=self.spec.pos_table_has_cls, method=self.resample)
-        if self._positions.source_grid != self.native_grid:
-            self.native_grid = self._positions.source_grid
-        positions = self._positions
-        patch_h, patch_w = self.patch_size
-
-        def interpolate_pos_encoding(embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
-            grid = (int(height) // patch_h, int(width) // patch_w)
-            table = positions.get(grid, dtype=embeddings.dtype, device=embeddings.device)  # [1, P + h*w, D]
-            boxes = self._image_boxes
-            if boxes is None or len(boxes) != embeddings.shape[0]:
-                return table
-            return letterbox_positions(positions, table, grid, boxes)  # [B, P + h*w, D]
-
-        embeddings_module = get_attr(self.model, "embeddings")
-        embeddings_module.interpolate_pos_encoding = interpolate_pos_encoding
+        self._positions = install_position_rule(
+            get_attr(self.model, "embeddings"),
+            table,
+            has_cls=self.spec.pos_table_has_cls,
+            method=self.resample,
+            patch_size=self.patch_size,
+            image_boxes=lambda: self._image_boxes,
+        )
+        self.native_grid = self._positions.source_grid
 
     # ------------------------------------------------------------------ layers
     def resolve_layers(self, layers: LayersArg) -> list[int] | None:
@@ -253,13 +237,7 @@ class Backbone:
         if self.spec.needs_interpolate_flag:
             kwargs["interpolate_pos_encoding"] = True
 
-        def eager(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = self.model(x, **kwargs)
-            hidden = out.hidden_states  # L+1 x [B, P + h*w, D]; [0] is the embedding output
-            pooler = getattr(out, "pooler_output", None)
-            chosen_hidden = [hidden[i + 1] for i in chosen]
-            return (hidden[-1], *chosen_hidden, *(() if pooler is None else (pooler,)))
-
+        eager = whole_network(self.model, kwargs, chosen)
         outputs = (
             None
             if valid is not None
@@ -306,31 +284,7 @@ class Backbone:
         )
         blocks = getattr(self._blocks_owner, self._blocks_name)
         wanted = sorted(set(chosen))
-        deepest = wanted[-1]
-
-        def eager(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            captured: dict[int, torch.Tensor] = {}
-
-            def capture(index: int) -> Callable[..., None]:
-                def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                    captured[index] = output[0] if isinstance(output, tuple) else output  # [B, P + h*w, D]
-                    if index == deepest:
-                        raise _StopForward  # nothing after this block is needed
-
-                return hook
-
-            # Hooks rather than output_hidden_states on a shortened block list: transformers installs its
-            # own output-capturing hooks once, lazily, on the blocks it first sees, so mutating the model
-            # would corrupt every later full forward pass.
-            handles = [blocks[i].register_forward_hook(capture(i)) for i in wanted]
-            try:
-                with contextlib.suppress(_StopForward):
-                    self.model(x, **kwargs)
-            finally:
-                for handle in handles:
-                    handle.remove()
-            return tuple(captured[i] for i in wanted)
-
+        eager = up_to_blocks(self.model, blocks, kwargs, wanted)
         outputs = (
             None
             if valid is not None
@@ -349,31 +303,16 @@ class Backbone:
         the GIL is released for the whole pass, so passes in several threads run side by side, and a
         server's Python threads no longer stall them. Off by default: a size is traced (~0.4 s) the second
         time it is seen."""
-        self._graphs = ForwardGraphs() if enabled else None
-
-    @property
-    def graphs(self) -> ForwardGraphs | None:
-        return self._graphs
+        self.graphs = ForwardGraphs() if enabled else None
 
     def _graph_forward(
-        self,
-        what: tuple[Any, ...],
-        eager: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
-        x: torch.Tensor,
+        self, what: tuple[Any, ...], eager: Pass, x: torch.Tensor
     ) -> tuple[torch.Tensor, ...] | None:
         """The outputs of ``eager(x)`` from a graph, if one is built or is built now; None: run eagerly."""
-        graphs = self._graphs
-        if graphs is None:
+        if self.graphs is None:
             return None
         key = (*what, self.autocast, str(self.device))
-        graph = graphs.get(key)
-        if graph is not None:
-            with self._autocast():
-                return run_graph(graph, x)
-        if not graphs.wanted(key):
-            return None
-        with self._forward_lock:  # tracing runs the eager model, its hooks included
-            return graphs.build(key, self.model, eager, x, self._autocast)
+        return self.graphs.forward(key, self.model, eager, x, self._autocast, self._forward_lock)
 
     def pooled(
         self,

@@ -111,6 +111,26 @@ class ForwardGraphs:
                 self._failed.add(dropped)  # sizes taking turns past the slots are not traced over and over
         return expected
 
+    def forward(
+        self,
+        key: Hashable,
+        model: torch.nn.Module,
+        eager: Trace,
+        x: torch.Tensor,
+        autocast: Callable[[], contextlib.AbstractContextManager[object]],
+        lock: threading.Lock,
+    ) -> Outputs | None:
+        """``eager(x)``'s outputs from ``key``'s graph, built now if its time has come; None: run eagerly.
+        A built graph runs without ``lock``; tracing holds it (it runs the eager model, hooks included)."""
+        graph = self.get(key)
+        if graph is not None:
+            with autocast():
+                return run_graph(graph, x)
+        if not self.wanted(key):
+            return None
+        with lock:
+            return self.build(key, model, eager, x, autocast)
+
     def __len__(self) -> int:
         return len(self._graphs)
 

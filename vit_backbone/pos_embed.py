@@ -16,7 +16,7 @@ Resampling always runs in float32 (bicubic in half precision shifts the table), 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,3 +116,37 @@ def letterbox_positions(
         cells = out[b, prefix:].view(grid[0], grid[1], -1)  # [h, w, D]
         cells[top:bottom, left:right] = sub[0, prefix:].view(bottom - top, right - left, -1)
     return out
+
+
+def install_position_rule(
+    embeddings: torch.nn.Module,
+    table: torch.Tensor,
+    *,
+    has_cls: bool,
+    method: ResampleMethod,
+    patch_size: tuple[int, int],
+    image_boxes: Callable[[], Sequence[tuple[int, int, int, int] | None] | None],
+) -> PositionTableCache:
+    """Route ``embeddings``' own position lookup through the declared rule and a per-grid cache.
+
+    Every learned-table family in transformers calls ``embeddings.interpolate_pos_encoding(emb, H, W)``
+    with pixel sizes; replacing it on the instance keeps the rest of transformers' forward untouched.
+    ``image_boxes()`` gives the letterbox boxes of the batch in the forward pass (None: no letterbox).
+    """
+    if table.dim() == 2:  # nn.Embedding weight [P + N, D]
+        table = table.unsqueeze(0)  # [1, P + N, D]
+    positions = PositionTableCache(table, has_cls=has_cls, method=method)
+    patch_h, patch_w = patch_size
+
+    def interpolate_pos_encoding(embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        grid = (int(height) // patch_h, int(width) // patch_w)
+        table = positions.get(grid, dtype=embeddings.dtype, device=embeddings.device)  # [1, P + h*w, D]
+        boxes = image_boxes()
+        if boxes is None or len(boxes) != embeddings.shape[0]:
+            return table
+        return letterbox_positions(positions, table, grid, boxes)  # [B, P + h*w, D]
+
+    object.__setattr__(
+        embeddings, "interpolate_pos_encoding", interpolate_pos_encoding
+    )  # an instance override
+    return positions

@@ -110,7 +110,7 @@ def test_letterboxed_batches_and_sizes_seen_once_stay_eager(tiny_checkpoints: di
 
 def test_graphs_are_kept_per_size_least_recently_used_first(tiny_checkpoints: dict[str, Path]) -> None:
     bb = with_graphs(tiny_checkpoints["dinov2"])
-    bb._graphs = graphs = ForwardGraphs(slots=2, trace_after=1)
+    bb.graphs = graphs = ForwardGraphs(slots=2, trace_after=1)
     for side in (14, 28, 42):
         bb.layer_features(pixels(1, side=side), [1])
     assert len(graphs) == 2 and graphs.traced == 3

@@ -24,11 +24,10 @@ from vitembed.engine.engine import (
     NotReadyError,
     RequestImageError,
     RequestTicket,
-    configure_threads,
-    forward_plan,
 )
 from vitembed.engine.precision_cache import CACHE_FILE
 from vitembed.engine.served_model import ingest_share
+from vitembed.engine.threads import configure_threads, forward_plan
 from vitembed.engine.wait_estimates import IngestEstimate
 from vitembed.metrics import Metrics
 from vitembed.settings import ServiceSettings
