@@ -77,6 +77,10 @@ class ServiceSettings(BaseSettings):
     # thread of 2, and no OpenMP barrier between the cores for another thread's work to stall; README,
     # overload); otherwise 1
     forward_workers: int = Field(0, ge=0, le=64)
+    # the forward threads' nice value above the process's (Linux): with no other process on the machine, 10
+    # halved the 429 p99 under overload at the same goodput, but beside a process spinning on one core the
+    # forward threads then lost that core to it (capacity 37 against 51 images/s): 0 by default (README)
+    forward_nice: int = Field(0, ge=0, le=19)
     # how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval). The
     # forward thread takes the GIL back after every torch op; under overload the event loop holds it answering
     # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s

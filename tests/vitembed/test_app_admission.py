@@ -42,8 +42,15 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serve_engine(tiny_path: Path, **overrides: Any) -> AsyncIterator[Served]:
-    """The real app around an engine this test holds (to read and inject its admission state)."""
-    options: dict[str, Any] = {"models": {"tiny": str(tiny_path)}, "precision": "float32", **overrides}
+    """The real app around an engine this test holds (to read and inject its admission state); one forward
+    thread, so that the predicted waits asserted are the one-thread rule's (``test_admission`` has the rule
+    for passes side by side)."""
+    options: dict[str, Any] = {
+        "models": {"tiny": str(tiny_path)},
+        "precision": "float32",
+        "forward_workers": 1,
+        **overrides,
+    }
     settings = ServiceSettings(**options)
     engine = Engine(settings, Metrics())
     await asyncio.to_thread(engine.start)

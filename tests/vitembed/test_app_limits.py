@@ -185,8 +185,9 @@ async def test_a_disconnected_clients_queued_work_is_dropped(
 ) -> None:
     """Raw ASGI: while another request's forward pass holds the forward thread, the client sends its body,
     its image is queued, and it leaves; the app answers 499 at once (the pass is still paused) and the
-    batcher drops the image instead of running a forward pass for it."""
-    async with serve() as server:
+    batcher drops the image instead of running a forward pass for it. One forward thread: a second would
+    take the image into a pass of its own."""
+    async with serve(forward_workers=1) as server:
         registry = server.state.metrics.registry
         blocker = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": images.jpeg()}))
         await paused_forward.wait_entered()

@@ -8,6 +8,7 @@ says, however slow the machine."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -245,3 +246,27 @@ def test_forward_threads_run_batches_side_by_side_and_keep_the_admission_state_e
     assert (control.held, load.reserved_images, reservation.remaining) == (0, 0, 0)
     with pytest.raises(ValueError, match="workers"):
         DynamicBatcher("t", run, load=load, max_batch_size=2, max_batch_tokens=10, max_wait_s=0.0, workers=0)
+
+
+def test_forward_threads_can_run_at_a_lower_priority() -> None:
+    """``nice``: each forward thread raises its own nice value (Linux keeps one per thread), so that the
+    event loop and the decode workers preempt it; the process's other threads keep theirs."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+
+    def run(items: Sequence[WorkItem]) -> np.ndarray:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return np.zeros((len(items), 1), dtype=np.float32)
+
+    batcher = DynamicBatcher(
+        "t", run, load=AdmissionControl(8, 10.0).model("t"), max_batch_size=1, max_batch_tokens=100,
+        max_wait_s=0.0, workers=2, nice=3,
+    )  # fmt: skip
+    ticket = RequestTicket(time.monotonic() + 30)
+    items = [item(float(i), ticket) for i in range(4)]
+    batcher.submit(items)
+    for it in items:
+        it.future.result(15)
+    batcher.stop()
+    assert seen == [min(base + 3, 19)] * 4
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base

@@ -62,6 +62,7 @@ _ENV_ONLY = (
     "VITEMBED_FORWARD_GRAPHS (default true: forward passes run as traced graphs, without the GIL)",
     "VITEMBED_FORWARD_WORKERS (forward threads per model; default 0 = auto: one per usable CPU up to 4 "
     "on the CPU with graphs, else 1)",
+    "VITEMBED_FORWARD_NICE (default 0: the forward threads' nice value above the process's)",
     "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_GC_FREEZE (default true: the start-up heap is frozen out of the cyclic GC once the app is "
     "ready)",

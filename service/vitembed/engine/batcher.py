@@ -13,6 +13,7 @@ completed on every path — result, exception, cancellation — so a failing bat
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -79,6 +80,15 @@ class WorkItem:
 RunBatch = Callable[[Sequence[WorkItem]], Sequence[Any]]  # -> b rows in item order (arrays, or tuples)
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux keeps one per thread); best effort."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed
+        log.warning("forward thread priority not lowered: %s", exc)
+
+
 def images_per_batch(max_batch_size: int, max_batch_tokens: int, tokens_per_item: int) -> int:
     """How many images of ``tokens_per_item`` tokens one forward pass takes (at least one)."""
     return max(1, min(max_batch_size, max_batch_tokens // max(1, tokens_per_item)))
@@ -101,6 +111,7 @@ class DynamicBatcher:
             [], float
         ] = time.monotonic,  # queue waits, deadlines, pass timings (tests inject one)
         workers: int = 1,  # forward threads taking batches side by side (graphs: no GIL between them)
+        nice: int = 0,  # the forward threads' nice value above the process's (Linux; 0: unchanged)
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0 or workers < 1:
             raise ValueError("max_batch_size, max_batch_tokens and workers must be ≥ 1 and max_wait_s ≥ 0")
@@ -114,6 +125,7 @@ class DynamicBatcher:
         self._on_depth = on_depth
         self._on_drop = on_drop
         self._clock = clock
+        self._nice = nice
         self._queues: dict[BatchKey, deque[WorkItem]] = {}
         self._depth = 0
         self._cond = threading.Condition()
@@ -147,6 +159,8 @@ class DynamicBatcher:
 
     # ----------------------------------------------------------------- consumer side
     def _loop(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -110,6 +110,7 @@ def start_model(
         on_depth=metrics.queue_depth.labels(name).set,
         on_drop=on_drop,
         workers=workers,
+        nice=settings.forward_nice,
     )
     ready = time.monotonic()
     log.info(
