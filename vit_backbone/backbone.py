@@ -238,14 +238,7 @@ class Backbone:
             kwargs["interpolate_pos_encoding"] = True
 
         eager = whole_network(self.model, kwargs, chosen)
-        outputs = (
-            None
-            if valid is not None
-            else self._graph_forward(("all", grid, tuple(chosen)), eager, pixel_values)
-        )
-        if outputs is None:
-            with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
-                outputs = eager(pixel_values)
+        outputs = self._run_pass(("all", grid, tuple(chosen)), eager, pixel_values, valid, kwargs)
         with self._autocast():
             last = self._split(self._final_norm(outputs[0]), grid, valid)
             per_layer = {
@@ -285,14 +278,7 @@ class Backbone:
         blocks = getattr(self._blocks_owner, self._blocks_name)
         wanted = sorted(set(chosen))
         eager = up_to_blocks(self.model, blocks, kwargs, wanted)
-        outputs = (
-            None
-            if valid is not None
-            else self._graph_forward(("layers", grid, tuple(wanted)), eager, pixel_values)
-        )
-        if outputs is None:
-            with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
-                outputs = eager(pixel_values)
+        outputs = self._run_pass(("layers", grid, tuple(wanted)), eager, pixel_values, valid, kwargs)
         by_block = dict(zip(wanted, outputs, strict=True))
         with self._autocast():
             return {i: self._split(self._final_norm(by_block[i]), grid, valid) for i in chosen}
@@ -305,14 +291,23 @@ class Backbone:
         time it is seen."""
         self.graphs = ForwardGraphs() if enabled else None
 
-    def _graph_forward(
-        self, what: tuple[Any, ...], eager: Pass, x: torch.Tensor
-    ) -> tuple[torch.Tensor, ...] | None:
-        """The outputs of ``eager(x)`` from a graph, if one is built or is built now; None: run eagerly."""
-        if self.graphs is None:
-            return None
-        key = (*what, self.autocast, str(self.device))
-        return self.graphs.forward(key, self.model, eager, x, self._autocast, self._forward_lock)
+    def _run_pass(
+        self,
+        what: tuple[Any, ...],
+        eager: Pass,
+        x: torch.Tensor,
+        valid: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, ...]:
+        """``eager(x)``'s outputs: from a graph where one serves (built now if its time has come), else
+        eagerly under the forward lock (letterboxed batches always: a per-batch mask and position boxes)."""
+        if valid is None and self.graphs is not None:
+            key = (*what, self.autocast, str(self.device))
+            outputs = self.graphs.forward(key, self.model, eager, x, self._autocast, self._forward_lock)
+            if outputs is not None:
+                return outputs
+        with self._forward_lock, self._autocast(), self._letterbox(valid, kwargs):
+            return eager(x)
 
     def pooled(
         self,

@@ -125,7 +125,7 @@ class ForwardGraphs:
         graph = self.get(key)
         if graph is not None:
             with autocast():
-                return run_graph(graph, x)
+                return _as_tuple(graph(x))
         if not self.wanted(key):
             return None
         with lock:
@@ -137,10 +137,6 @@ class ForwardGraphs:
     @property
     def failed(self) -> int:
         return len(self._failed)
-
-
-def run_graph(graph: torch.jit.ScriptModule, pixel_values: torch.Tensor) -> Outputs:
-    return _as_tuple(graph(pixel_values))
 
 
 class _Traced(torch.nn.Module):
