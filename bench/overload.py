@@ -39,117 +39,33 @@ holds the bench lock (``bench.common.machine.bench_lock``) and first waits for a
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
 import platform
-import random
-import socket
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common.machine import bench_lock, process_cpu_seconds, process_rss_bytes, wait_for_idle
+from bench.common.machine import bench_lock, system_busy_seconds, system_steal_seconds, wait_for_idle
 from bench.common.report import add_output_options, output_dir
-from bench.common.server import free_port
-from bench.overload_loadgen import HOST, Group, Record, jpeg_noise, multipart_request
+from bench.overload_loadgen import Group, Record, jpeg_noise, multipart_request
+from bench.overload_memory import memory_suite
+from bench.overload_processes import cpu_seconds, neighbour, rss_mib, run_loadgen, server
+from bench.overload_report import write_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ROOT = Path(__file__).resolve().parents[1]
-LOADGEN = [sys.executable, "-m", "bench.overload_loadgen"]  # run from ROOT
 TORCH_THREADS: int | None = None  # --torch-threads: the server's (default: its own choice)
 DEADLINE_S = 30.0  # the server's default request_timeout_s: a 200 after it is not goodput
 # closed-loop clients of the capacity probes: up to 32, since a forward pass takes up to 16 of the default
 # preset's images and 16 clients (two thirds of them decoding or in transit at any moment) do not fill it
 CAPACITY_CLIENTS = (1, 2, 4, 8, 16, 32)
 RAMP_S = 1.0  # the start of a window, when all clients connect and send at once: 429 latency reported apart
-
-
-# ------------------------------------------------------------------------------------------- the processes
-def rss_mib(pid: int) -> float:
-    return process_rss_bytes(pid) / 2**20
-
-
-cpu_seconds = process_cpu_seconds
-
-
-@contextmanager
-def server(model: str, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITEMBED_")}
-    if TORCH_THREADS:
-        env["VITEMBED_TORCH_THREADS"] = str(TORCH_THREADS)
-    command = [sys.executable, "-m", "vitembed", "serve", "--model", model, "--port", str(port), *flags]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited: {log_path.read_text()[-2000:]}")
-                try:
-                    with socket.create_connection((HOST, port), timeout=1) as sock:
-                        sock.sendall(
-                            f"GET /ready HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
-                        )
-                        if b" 200 " in sock.recv(64):
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the server did not become ready")
-                time.sleep(0.2)
-            yield proc, port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-@contextmanager
-def neighbour(enabled: bool) -> Iterator[None]:
-    """One process spinning on one core for the whole block."""
-    if not enabled:
-        yield
-        return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def run_loadgen(
-    port: int, payloads: list[bytes], groups: list[Group], seed: int = 0
-) -> tuple[list[Record], float]:
-    spec = {
-        "port": port,
-        "payloads": [p.hex() for p in payloads],
-        "groups": [asdict(g) for g in groups],
-        "seed": seed,
-    }
-    done = subprocess.run(
-        [*LOADGEN, "groups"],
-        cwd=ROOT,
-        input=json.dumps(spec).encode(),
-        capture_output=True,
-        check=True,
-    )
-    out = json.loads(done.stdout)
-    return [Record(**r) for r in out["records"]], float(out["cpu_s"])
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -185,6 +101,10 @@ class Summary:
     n_other: int
     loadgen_cores: float
     server_cores: float
+    # the VM's cores taken by the hypervisor for other guests (/proc/stat steal), and CPU used by any
+    # process other than the server, the load generator and the neighbour: noise the run cannot control
+    steal_cores: float
+    other_cores: float
     rss_before_mib: float
     rss_after_mib: float
     extra: dict[str, Any] = field(default_factory=dict)
@@ -201,6 +121,7 @@ def summarise(
     server_cpu: float,
     rss: tuple[float, float],
     group: str | None = None,
+    machine_cpu: tuple[float, float] = (math.nan, math.nan),
 ) -> Summary:
     mine = [r for r in records if group is None or r.group == group]
     start, end = window
@@ -232,6 +153,8 @@ def summarise(
         n_other=sum(r.status not in (200, 429) and r.status < 500 for r in mine),
         loadgen_cores=loadgen_cpu / max(r.end for r in records) if records else math.nan,
         server_cores=server_cpu / max(r.end for r in records) if records else math.nan,
+        steal_cores=machine_cpu[0],
+        other_cores=machine_cpu[1],
         rss_before_mib=rss[0],
         rss_after_mib=rss[1],
     )
@@ -247,10 +170,19 @@ def scenario(
     groups: list[Group],
     capacity: float,
     seed: int = 0,
+    neighbour_pid: int | None = None,
 ) -> tuple[Summary, list[Record]]:
     rss_before, cpu_before = rss_mib(proc.pid), cpu_seconds(proc.pid)
+    busy_before, steal_before = system_busy_seconds(), system_steal_seconds()
+    spin_before = cpu_seconds(neighbour_pid) if neighbour_pid else 0.0
+    wall_before = time.monotonic()
     records, loadgen_cpu = run_loadgen(port, payloads, groups, seed)
+    wall = time.monotonic() - wall_before
     rss_after, server_cpu = rss_mib(proc.pid), cpu_seconds(proc.pid) - cpu_before
+    steal = system_steal_seconds() - steal_before
+    spin = (cpu_seconds(neighbour_pid) - spin_before) if neighbour_pid else 0.0
+    # the bench process waits in subprocess.run meanwhile: what is left is other processes' CPU
+    other = system_busy_seconds() - busy_before - steal - server_cpu - loadgen_cpu - spin
     main = groups[0]
     summary = summarise(
         name,
@@ -263,6 +195,7 @@ def scenario(
         server_cpu,
         (rss_before, rss_after),
         group=main.name,
+        machine_cpu=(steal / wall, max(0.0, other) / wall),
     )
     print(
         f"  {name:<28} {'busy' if with_neighbour else 'quiet':<5} goodput {summary.goodput:6.2f}/s "
@@ -270,7 +203,8 @@ def scenario(
         f"429 {summary.n_429} (p99 {summary.p99_429_ms:.0f} / settled {summary.p99_429_settled_ms:.0f} / "
         f"early {summary.p99_429_early_ms:.0f} ms)  "
         f"504 {summary.n_504}  5xx {summary.n_5xx}  "
-        f"loadgen {summary.loadgen_cores:.2f} cores",
+        f"loadgen {summary.loadgen_cores:.2f} cores, steal {summary.steal_cores:.2f}, "
+        f"other {summary.other_cores:.2f}",
         flush=True,
     )
     return summary, records
@@ -319,11 +253,14 @@ def measure_capacity(
 def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
     duration = 8.0 if quick else 30.0
     probe = 5.0 if quick else 12.0
-    with tempfile.TemporaryDirectory() as tmp, server(model, Path(tmp) / "serve.log") as (proc, port):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        server(model, Path(tmp) / "serve.log", torch_threads=TORCH_THREADS) as (proc, port),
+    ):
         payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
         results: dict[str, Any] = {"scenarios": [], "capacity": {}}
         for with_neighbour in (False, True):
-            with neighbour(with_neighbour):
+            with neighbour(with_neighbour) as spinner:
                 capacity, c, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
                 key = "busy" if with_neighbour else "quiet"
                 results["capacity"][key] = {"images_per_s": capacity, "clients": c, "probes": tried}
@@ -354,7 +291,10 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                     )
                 )
                 for name, load, groups in runs:
-                    summary, _ = scenario(proc, port, payloads, name, with_neighbour, load, groups, capacity)
+                    summary, _ = scenario(
+                        *(proc, port, payloads, name, with_neighbour, load, groups, capacity),
+                        neighbour_pid=spinner,
+                    )
                     results["scenarios"].append(asdict(summary))
                 # recovery: C clients start the moment a 16C overload stops
                 tail = 10.0
@@ -371,6 +311,7 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                     f"{16 * c} then {c} clients",
                     groups,
                     capacity,
+                    neighbour_pid=spinner,
                 )
                 summary.extra["recovery_s"] = recovery_seconds(
                     records, "after", duration, capacity, duration + tail
@@ -384,154 +325,6 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                 )
                 results["scenarios"].append(asdict(summary))
     return results
-
-
-def memory_suite(out: Path, quick: bool) -> dict[str, Any]:
-    """RSS after 1,000 and after 10,000 requests of mixed sizes (some invalid), tiny random-init model."""
-    make_tiny_checkpoint = _tests_conftest().make_tiny_checkpoint  # the tests' tiny checkpoints: no downloads
-
-    total, first = (2_000, 200) if quick else (10_000, 1_000)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = make_tiny_checkpoint("dinov2", Path(tmp) / "tiny")
-        with server(f"tiny={folder}", Path(tmp) / "serve.log", "--precision", "float32") as (proc, port):
-            rng = random.Random(0)
-            good = [
-                jpeg_noise(w, h, s) for s, (w, h) in enumerate([(64, 64), (160, 120), (320, 240), (640, 480)])
-            ]
-            bad = [good[0][: len(good[0]) // 2], b"not an image at all", b""]
-            payloads = []
-            for i in range(64):
-                count = rng.choice([1, 1, 1, 2, 4, 8])
-                images = [rng.choice(good) for _ in range(count)]
-                fields = {"pooling": "patch"} if i % 7 == 0 else ({"pooling": "bogus"} if i % 11 == 0 else {})
-                if i % 9 == 0:
-                    images[0] = rng.choice(bad)
-                payloads.append(multipart_request(port, images, fields=fields))
-            rss = {"start": rss_mib(proc.pid)}
-            statuses: dict[int, int] = {}
-            done = 0
-            for target in (first, total):
-                while done < target:
-                    clients = 8
-                    per_client = max(1, min(500, target - done) // clients)
-                    records, _ = count_requests(port, payloads, clients, per_client, done)
-                    for r in records:
-                        statuses[r.status] = statuses.get(r.status, 0) + 1
-                    done += len(records)
-                rss[str(target)] = rss_mib(proc.pid)
-                print(f"  memory: RSS after {done} requests {rss[str(target)]:.1f} MiB", flush=True)
-    growth = rss[str(total)] / rss[str(first)] - 1
-    return {"requests": total, "first": first, "rss_mib": rss, "growth": growth, "statuses": statuses}
-
-
-def _tests_conftest() -> Any:
-    """``tests/conftest.py`` as a module (``tests`` is no package), without touching ``sys.path``."""
-    spec = importlib.util.spec_from_file_location("vitembed_tests_conftest", ROOT / "tests" / "conftest.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {ROOT / 'tests' / 'conftest.py'}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def count_requests(
-    port: int, payloads: list[bytes], clients: int, per_client: int, seed: int
-) -> tuple[list[Record], float]:
-    """A fixed number of requests (``clients`` x ``per_client``), through the load generator process."""
-    spec = {
-        "port": port,
-        "payloads": [p.hex() for p in payloads],
-        "clients": clients,
-        "per_client": per_client,
-        "seed": seed,
-    }
-    done = subprocess.run(
-        [*LOADGEN, "count"],
-        cwd=ROOT,
-        input=json.dumps(spec).encode(),
-        capture_output=True,
-        check=True,
-    )
-    out = json.loads(done.stdout)
-    return [Record(**r) for r in out["records"]], float(out["cpu_s"])
-
-
-# ------------------------------------------------------------------------------------------- the report
-COLUMNS = (
-    "scenario",
-    "neighbour",
-    "load",
-    "goodput /s",
-    "÷ capacity",
-    "p50 / p99 admitted s (sent in time)",
-    "429 (p99 ms: in time / in time after the first second / early)",
-    "504",
-    "5xx",
-    "loadgen cores",
-    "server cores",
-    "RSS before → after MiB",
-)
-
-
-def table_row(s: dict[str, Any]) -> str:
-    recovery = f"; recovery {s['extra']['recovery_s']:.1f} s" if "recovery_s" in s["extra"] else ""
-    if "server_after_stop" in s["extra"]:
-        recovery += f" (server {s['extra']['server_after_stop']:.0%} in the 5 s after the stop)"
-    cells = (
-        f"{s['scenario']}{recovery}",
-        "busy" if s["neighbour"] else "quiet",
-        s["load"],
-        f"{s['goodput']:.1f}",
-        f"{s['fraction']:.0%}",
-        f"{s['p50_ok_s']:.2f} / {s['p99_ok_s']:.2f} ({s['p99_ok_in_time_s']:.2f})",
-        f"{s['n_429']} ({s['p99_429_ms']:.0f} / {s.get('p99_429_settled_ms', math.nan):.0f} / "
-        f"{s['p99_429_early_ms']:.0f})",
-        str(s["n_504"]),
-        str(s["n_5xx"]),
-        f"{s['loadgen_cores']:.2f}",
-        f"{s['server_cores']:.2f}",
-        f"{s['rss_before_mib']:.0f} → {s['rss_after_mib']:.0f}",
-    )
-    return "| " + " | ".join(cells) + " |"
-
-
-def write_report(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overload.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    kind = "--quick (short scenarios: a smoke run)" if results["quick"] else "full"
-    lines = [
-        "# Overload benchmark (`bench/overload.py`)",
-        "",
-        f"Run: {results['when']}, {kind}; server torch threads: {results.get('torch_threads') or 'default'}; "
-        f"machine: {results['machine']}; load average before / after: "
-        f"{results['load_before']} / {results['load_after']}.",
-        "",
-        "Server: `vitembed serve` with the embedded backbone and server defaults (queue-delay target 2 s, "
-        "request deadline 30 s); single-image multipart requests of 640x480 JPEGs of noise. The load "
-        "generator is a separate process (asyncio, raw HTTP/1.1, keep-alive); 'busy' = one process spinning "
-        "on one core for the whole block, capacity measured with it.",
-        "",
-    ]
-    for key, cap in results["capacity"].items():
-        probes = ", ".join(f"{p['clients']}: {p['images_per_s']:.1f}/s" for p in cap["probes"])
-        lines.append(
-            f"- capacity ({key}): **{cap['images_per_s']:.1f} images/s** with C = {cap['clients']} "
-            f"clients ({probes})"
-        )
-    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += [table_row(s) for s in results["scenarios"]]
-    mem = results.get("memory")
-    if mem:
-        rss = mem["rss_mib"]
-        lines += [
-            "",
-            "Memory (tiny random-init model; mixed requests: 1-8 images of 64x64 to 640x480, pooling=patch "
-            f"on some, an invalid image or option on others; statuses {mem['statuses']}): RSS at start "
-            f"{rss['start']:.1f} MiB, after {mem['first']} requests {rss[str(mem['first'])]:.1f} MiB, "
-            f"after {mem['requests']} requests {rss[str(mem['requests'])]:.1f} MiB: "
-            f"**{mem['growth']:+.1%}**.",
-        ]
-    (out / "overload.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -569,7 +362,7 @@ def main() -> None:
         if not args.skip_overload:
             results.update(overload_suite(args.model, out, args.quick))
         if not args.skip_memory:
-            results["memory"] = memory_suite(out, args.quick)
+            results["memory"] = memory_suite(args.quick, TORCH_THREADS)
     results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     write_report(results, out)
     print(f"wrote {out / 'overload.md'}")

@@ -21,8 +21,9 @@ import statistics
 import time
 
 from bench.common.server import free_port
-from bench.overload import count_requests, neighbour, pct
+from bench.overload import pct
 from bench.overload_loadgen import jpeg_noise, multipart_request
+from bench.overload_processes import count_requests, neighbour
 
 BODY = b'{"error":{"code":"overloaded","message":"the floor server refuses everything","request_id":"-"}}'
 REFUSAL = (

@@ -29,6 +29,12 @@ def system_busy_seconds() -> float:
     return (sum(values[:8]) - idle) / _TICK
 
 
+def system_steal_seconds() -> float:
+    """CPU-seconds the hypervisor gave other guests while this VM's cores wanted to run (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (values[7] if len(values) > 7 else 0) / _TICK
+
+
 def process_cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads; children it waited for not included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -1,0 +1,88 @@
+"""The report of ``bench/overload.py``: ``overload.md`` (a table row per scenario) and ``overload.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    "scenario",
+    "neighbour",
+    "load",
+    "goodput /s",
+    "÷ capacity",
+    "p50 / p99 admitted s (sent in time)",
+    "429 (p99 ms: in time / in time after the first second / early)",
+    "504",
+    "5xx",
+    "loadgen cores",
+    "server cores",
+    "steal / other cores",
+    "RSS before → after MiB",
+)
+
+
+def table_row(s: dict[str, Any]) -> str:
+    recovery = f"; recovery {s['extra']['recovery_s']:.1f} s" if "recovery_s" in s["extra"] else ""
+    if "server_after_stop" in s["extra"]:
+        recovery += f" (server {s['extra']['server_after_stop']:.0%} in the 5 s after the stop)"
+    cells = (
+        f"{s['scenario']}{recovery}",
+        "busy" if s["neighbour"] else "quiet",
+        s["load"],
+        f"{s['goodput']:.1f}",
+        f"{s['fraction']:.0%}",
+        f"{s['p50_ok_s']:.2f} / {s['p99_ok_s']:.2f} ({s['p99_ok_in_time_s']:.2f})",
+        f"{s['n_429']} ({s['p99_429_ms']:.0f} / {s.get('p99_429_settled_ms', math.nan):.0f} / "
+        f"{s['p99_429_early_ms']:.0f})",
+        str(s["n_504"]),
+        str(s["n_5xx"]),
+        f"{s['loadgen_cores']:.2f}",
+        f"{s['server_cores']:.2f}",
+        f"{s.get('steal_cores', math.nan):.2f} / {s.get('other_cores', math.nan):.2f}",
+        f"{s['rss_before_mib']:.0f} → {s['rss_after_mib']:.0f}",
+    )
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overload.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    kind = "--quick (short scenarios: a smoke run)" if results["quick"] else "full"
+    lines = [
+        "# Overload benchmark (`bench/overload.py`)",
+        "",
+        f"Run: {results['when']}, {kind}; server torch threads: {results.get('torch_threads') or 'default'}; "
+        f"machine: {results['machine']}; load average before / after: "
+        f"{results['load_before']} / {results['load_after']}.",
+        "",
+        "Server: `vitembed serve` with the embedded backbone and server defaults (queue-delay target 2 s, "
+        "request deadline 30 s); single-image multipart requests of 640x480 JPEGs of noise. The load "
+        "generator is a separate process (asyncio, raw HTTP/1.1, keep-alive); 'busy' = one process spinning "
+        "on one core for the whole block, capacity measured with it. 'steal / other cores': the VM's "
+        "cores the hypervisor gave other guests, and CPU used by processes other than the server, the load "
+        "generator and the neighbour, during the scenario (noise the run does not control).",
+        "",
+    ]
+    for key, cap in results["capacity"].items():
+        probes = ", ".join(f"{p['clients']}: {p['images_per_s']:.1f}/s" for p in cap["probes"])
+        lines.append(
+            f"- capacity ({key}): **{cap['images_per_s']:.1f} images/s** with C = {cap['clients']} "
+            f"clients ({probes})"
+        )
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += [table_row(s) for s in results["scenarios"]]
+    mem = results.get("memory")
+    if mem:
+        rss = mem["rss_mib"]
+        lines += [
+            "",
+            "Memory (tiny random-init model; mixed requests: 1-8 images of 64x64 to 640x480, pooling=patch "
+            f"on some, an invalid image or option on others; statuses {mem['statuses']}): RSS at start "
+            f"{rss['start']:.1f} MiB, after {mem['first']} requests {rss[str(mem['first'])]:.1f} MiB, "
+            f"after {mem['requests']} requests {rss[str(mem['requests'])]:.1f} MiB: "
+            f"**{mem['growth']:+.1%}**.",
+        ]
+    (out / "overload.md").write_text("\n".join(lines) + "\n")
