@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common.machine import bench_lock, system_busy_seconds, system_steal_seconds, wait_for_idle
+from bench.common.machine import bench_lock, system_cpu_seconds, wait_for_idle
 from bench.common.report import add_output_options, output_dir
 from bench.overload_loadgen import Group, Record, jpeg_noise, multipart_request
 from bench.overload_memory import memory_suite
@@ -173,16 +173,17 @@ def scenario(
     neighbour_pid: int | None = None,
 ) -> tuple[Summary, list[Record]]:
     rss_before, cpu_before = rss_mib(proc.pid), cpu_seconds(proc.pid)
-    busy_before, steal_before = system_busy_seconds(), system_steal_seconds()
+    busy_before, steal_before = system_cpu_seconds()
     spin_before = cpu_seconds(neighbour_pid) if neighbour_pid else 0.0
     wall_before = time.monotonic()
     records, loadgen_cpu = run_loadgen(port, payloads, groups, seed)
     wall = time.monotonic() - wall_before
     rss_after, server_cpu = rss_mib(proc.pid), cpu_seconds(proc.pid) - cpu_before
-    steal = system_steal_seconds() - steal_before
+    busy_after, steal_after = system_cpu_seconds()
+    steal = steal_after - steal_before
     spin = (cpu_seconds(neighbour_pid) - spin_before) if neighbour_pid else 0.0
     # the bench process waits in subprocess.run meanwhile: what is left is other processes' CPU
-    other = system_busy_seconds() - busy_before - steal - server_cpu - loadgen_cpu - spin
+    other = busy_after - busy_before - steal - server_cpu - loadgen_cpu - spin
     main = groups[0]
     summary = summarise(
         name,
@@ -292,7 +293,14 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                 )
                 for name, load, groups in runs:
                     summary, _ = scenario(
-                        *(proc, port, payloads, name, with_neighbour, load, groups, capacity),
+                        proc,
+                        port,
+                        payloads,
+                        name,
+                        with_neighbour,
+                        load,
+                        groups,
+                        capacity,
                         neighbour_pid=spinner,
                     )
                     results["scenarios"].append(asdict(summary))

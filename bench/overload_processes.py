@@ -81,43 +81,26 @@ def neighbour(enabled: bool) -> Iterator[int | None]:
         proc.wait()
 
 
-def run_loadgen(
-    port: int, payloads: list[bytes], groups: list[Group], seed: int = 0
+def _loadgen(
+    mode: str, port: int, payloads: list[bytes], seed: int, **spec: object
 ) -> tuple[list[Record], float]:
-    spec = {
-        "port": port,
-        "payloads": [p.hex() for p in payloads],
-        "groups": [asdict(g) for g in groups],
-        "seed": seed,
-    }
+    """Run the load generator process in ``mode``: its records and its own CPU seconds."""
+    spec.update(port=port, payloads=[p.hex() for p in payloads], seed=seed)
     done = subprocess.run(
-        [*LOADGEN, "groups"],
-        cwd=ROOT,
-        input=json.dumps(spec).encode(),
-        capture_output=True,
-        check=True,
+        [*LOADGEN, mode], cwd=ROOT, input=json.dumps(spec).encode(), capture_output=True, check=True
     )
     out = json.loads(done.stdout)
     return [Record(**r) for r in out["records"]], float(out["cpu_s"])
+
+
+def run_loadgen(
+    port: int, payloads: list[bytes], groups: list[Group], seed: int = 0
+) -> tuple[list[Record], float]:
+    return _loadgen("groups", port, payloads, seed, groups=[asdict(g) for g in groups])
 
 
 def count_requests(
     port: int, payloads: list[bytes], clients: int, per_client: int, seed: int
 ) -> tuple[list[Record], float]:
     """A fixed number of requests (``clients`` x ``per_client``), through the load generator process."""
-    spec = {
-        "port": port,
-        "payloads": [p.hex() for p in payloads],
-        "clients": clients,
-        "per_client": per_client,
-        "seed": seed,
-    }
-    done = subprocess.run(
-        [*LOADGEN, "count"],
-        cwd=ROOT,
-        input=json.dumps(spec).encode(),
-        capture_output=True,
-        check=True,
-    )
-    out = json.loads(done.stdout)
-    return [Record(**r) for r in out["records"]], float(out["cpu_s"])
+    return _loadgen("count", port, payloads, seed, clients=clients, per_client=per_client)

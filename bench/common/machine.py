@@ -22,17 +22,23 @@ LOCK = Path("/tmp/vitembed_bench.lock")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_line() -> list[int]:
+    """The ``cpu`` line of /proc/stat: user nice system idle iowait irq softirq steal ... (ticks)."""
+    return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
 def system_busy_seconds() -> float:
     """CPU-seconds all cores spent not idle since boot (/proc/stat)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return system_cpu_seconds()[0]
+
+
+def system_cpu_seconds() -> tuple[float, float]:
+    """(busy, steal) CPU-seconds since boot from one read of /proc/stat: busy is every core's not-idle time
+    (steal included), steal the time the hypervisor gave other guests while this VM's cores wanted to run."""
+    values = _cpu_line()
     idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    return (sum(values[:8]) - idle) / _TICK
-
-
-def system_steal_seconds() -> float:
-    """CPU-seconds the hypervisor gave other guests while this VM's cores wanted to run (/proc/stat)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (values[7] if len(values) > 7 else 0) / _TICK
+    steal = values[7] if len(values) > 7 else 0
+    return (sum(values[:8]) - idle) / _TICK, steal / _TICK
 
 
 def process_cpu_seconds(pid: int) -> float:
