@@ -81,6 +81,12 @@ class ServiceSettings(BaseSettings):
     # halved the 429 p99 under overload at the same goodput, but beside a process spinning on one core the
     # forward threads then lost that core to it (capacity 37 against 51 images/s): 0 by default (README)
     forward_nice: int = Field(0, ge=0, le=19)
+    # the event-loop thread's nice value below the process's (Linux; `vitembed serve`): it reads every request
+    # head and answers every refusal, and waits less behind the always-runnable forward threads; it needs
+    # CAP_SYS_NICE or an RLIMIT_NICE that allows it (--ulimit nice=25), else one log line and no change.
+    # Measured under overload (README): 429 p99 after the first second 30-36 against 51-77 ms for 256
+    # well-behaved clients, at the same goodput, with or without a busy neighbour. 0: unchanged
+    event_loop_priority: int = Field(5, ge=0, le=20)
     # how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval). The
     # forward thread takes the GIL back after every torch op; under overload the event loop holds it answering
     # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s

@@ -63,6 +63,8 @@ _ENV_ONLY = (
     "VITEMBED_FORWARD_WORKERS (forward threads per model; default 0 = auto: one per usable CPU up to 4 "
     "on the CPU with graphs, else 1)",
     "VITEMBED_FORWARD_NICE (default 0: the forward threads' nice value above the process's)",
+    "VITEMBED_EVENT_LOOP_PRIORITY (default 5: the event-loop thread's nice value below the process's, where "
+    "permitted: CAP_SYS_NICE or RLIMIT_NICE; 0: unchanged)",
     "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_GC_FREEZE (default true: the start-up heap is frozen out of the cyclic GC once the app is "
     "ready)",
@@ -200,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from vitembed.engine.priority import raise_calling_thread, start_libuv_pool
         from vitembed.server.app import create_app
         from vitembed.server.connection_limits import header_timeout_protocol
     except ImportError as exc:
@@ -219,6 +222,9 @@ def run_serve(args: argparse.Namespace) -> int:
         enforce_retry_after=settings.enforce_retry_after,
         gate_done=app.state.admission_gate.request_done,
     )
+    if settings.event_loop_priority:  # uvicorn's event loop runs on this thread
+        start_libuv_pool(settings.host, settings.port)
+        raise_calling_thread(settings.event_loop_priority)
     try:
         uvicorn.run(
             app,
