@@ -292,6 +292,9 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
     ):
         payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
         results: dict[str, Any] = {"scenarios": [], "capacity": {}}
+        # the server's event-loop thread (its main thread) runs at a lower nice value where it may
+        results["event_loop_nice"] = os.getpriority(os.PRIO_PROCESS, proc.pid)
+        results["process_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
         for with_neighbour in (False, True):
             with neighbour(with_neighbour) as spinner:
                 best, c, saturating, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)

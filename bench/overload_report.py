@@ -58,7 +58,13 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
         f"Run: {results['when']}, {kind}; server torch threads: {results.get('torch_threads') or 'default'}; "
         f"machine: {results['machine']}; load average before / after: "
-        f"{results['load_before']} / {results['load_after']}.",
+        f"{results['load_before']} / {results['load_after']}"
+        + (
+            f"; server event-loop thread at nice {results['event_loop_nice']} (the process's: "
+            f"{results['process_nice']})."
+            if "event_loop_nice" in results
+            else "."
+        ),
         "",
         "Server: `vitembed serve` with the embedded backbone and server defaults (queue-delay target 2 s, "
         "request deadline 30 s); single-image multipart requests of 640x480 JPEGs of noise. The load "
