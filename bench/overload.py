@@ -234,7 +234,7 @@ def goodput_fraction_after(records: list[Record], since: float, span: float, cap
     good = sum(
         r.status == 200 and r.end - r.start <= DEADLINE_S and since <= r.end < since + span for r in records
     )
-    return good / span / capacity
+    return good / span / capacity if capacity else math.nan
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -299,6 +299,7 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
             with neighbour(with_neighbour) as spinner:
                 best, c, saturating, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
                 key = "busy" if with_neighbour else "quiet"
+                results["capacity"][key] = {"images_per_s": best, "clients": c, "probes": tried}
                 if best <= 0:
                     print("  no request finished within a probe: the machine is too busy to measure")
                     continue

@@ -249,6 +249,9 @@ class DynamicBatcher:
         elapsed = self._clock() - started
         # the images leave the admission state before their requests learn the outcome
         self._load.end(running, tokens, len(batch), elapsed if rows is not None else None)
+        # and the pass is counted before then too: a caller that reads /metrics after its answer sees it
+        if self._on_batch is not None:
+            self._on_batch(len(batch), queue_wait, elapsed)
         if rows is not None:
             for row, item in zip(rows, batch, strict=True):
                 if not item.future.done():
@@ -257,8 +260,6 @@ class DynamicBatcher:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(failure or RuntimeError("the forward pass failed"))
-        if self._on_batch is not None:
-            self._on_batch(len(batch), queue_wait, elapsed)
 
     def _report_depth(self) -> None:
         if self._on_depth is not None:

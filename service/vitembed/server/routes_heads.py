@@ -142,7 +142,9 @@ async def classify(
                 f"the server's limit of {settings.max_upsample_pixels}: send fewer or smaller images, or "
                 "drop upsample and scale the patch grid yourself",
             )
-        result = await timed(metrics, lambda: _patch_body(outcome, options, npy), values=values)
+        # torch ops (the upsampling, the argmax): always on a worker thread. On the event loop a parallel op
+        # would start torch's OpenMP team from it, with its raised priority (vitembed.engine.priority)
+        result = await timed(metrics, lambda: _patch_body(outcome, options, npy), values=values, offload=True)
     else:
         result = await timed(metrics, lambda: _labels_body(outcome, options.k, npy), values=0)
     data, headers = result

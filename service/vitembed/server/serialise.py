@@ -31,11 +31,12 @@ _LITTLE_ENDIAN: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16
 OFFLOAD_VALUES = 200_000  # above this many numbers, serialise in a thread: the event loop keeps serving
 
 
-async def timed(metrics: Metrics, work: Callable[[], T], *, values: int) -> T:
-    """Run one serialisation, off the event loop when it is large, and record the ``serialise`` stage."""
+async def timed(metrics: Metrics, work: Callable[[], T], *, values: int, offload: bool = False) -> T:
+    """Run one serialisation, off the event loop when it is large (or ``offload``), and record the
+    ``serialise`` stage."""
     started = time.perf_counter()
     try:
-        return await asyncio.to_thread(work) if values > OFFLOAD_VALUES else work()
+        return await asyncio.to_thread(work) if offload or values > OFFLOAD_VALUES else work()
     finally:
         metrics.stage_seconds.labels("serialise").observe(time.perf_counter() - started)
 
