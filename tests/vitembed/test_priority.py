@@ -85,7 +85,7 @@ def test_a_raised_thread_creates_workers_that_go_back_to_the_process_priority() 
         plain = threading.Thread(target=lambda: seen.setdefault("threading.Thread", priority.thread_nice()))
         plain.start()
         plain.join()
-        with ThreadPoolExecutor(1, initializer=priority.worker_thread_start) as pool:
+        with ThreadPoolExecutor(1) as pool:
             seen["worker"] = pool.submit(priority.thread_nice).result()
 
     run_on_thread(raised_thread)
@@ -95,7 +95,7 @@ def test_a_raised_thread_creates_workers_that_go_back_to_the_process_priority() 
         "threading.Thread": base,
         "worker": base,
     }
-    assert priority.raised()
+    assert priority._process_nice == base
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the test's own thread is untouched
 
 
@@ -105,12 +105,12 @@ def test_without_a_raise_workers_keep_their_priority_and_a_zero_step_does_nothin
 
     def plain_thread() -> None:
         assert not priority.raise_calling_thread(0)
-        with ThreadPoolExecutor(1, initializer=priority.worker_thread_start) as pool:
+        with ThreadPoolExecutor(1) as pool:
             seen["worker"] = pool.submit(priority.thread_nice).result()
 
     run_on_thread(plain_thread)
     assert seen == {"worker": os.getpriority(os.PRIO_PROCESS, 0)}
-    assert not priority.raised()
+    assert priority._process_nice is None
 
 
 def thread_nices(pid: int) -> dict[int, int]:

@@ -24,7 +24,6 @@ from typing import Any
 
 from vit_backbone.preprocess import Prepared
 from vitembed.engine.admission import ModelLoad, QueueFullError, Reservation
-from vitembed.engine.priority import worker_thread_start
 
 __all__ = [
     "BatchKey",
@@ -160,7 +159,6 @@ class DynamicBatcher:
 
     # ----------------------------------------------------------------- consumer side
     def _loop(self) -> None:
-        worker_thread_start()  # created by a thread that may run at a raised priority
         if self._nice:
             lower_priority(self._nice)
         while True:

@@ -34,7 +34,6 @@ from vitembed.engine.batcher import (
     RequestTicket,
     WorkItem,
 )
-from vitembed.engine.priority import worker_thread_start
 from vitembed.engine.request_types import (
     ClassifyOutcome,
     EmbedOptions,
@@ -90,9 +89,7 @@ class Engine:
         self.admission = AdmissionControl(
             settings.queue_size, settings.queue_delay_target_s, spread_retries=settings.spread_retry_after
         )
-        self._pool = ThreadPoolExecutor(
-            settings.decode_workers, thread_name_prefix="decode", initializer=worker_thread_start
-        )
+        self._pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="decode")
         self._served: dict[str, ServedModel] = {}
         self._heads: dict[str, BoundHead] = {}
         self._ready = False

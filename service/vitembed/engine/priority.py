@@ -9,11 +9,10 @@ neighbouring process a larger share of the machine.
 
 A lower nice value needs CAP_SYS_NICE (root) or an RLIMIT_NICE that allows it (``--ulimit nice=25`` for a
 container, ``LimitNICE=`` for a systemd unit); without it the process logs one line and keeps its
-priority. A new thread starts at its creator's nice value, so every worker thread (forward, decode, search
-and asyncio's default pool) first puts itself back at the process's own value with
-``worker_thread_start`` (a thread may always raise its own nice value), and so does every other thread the
-threading module starts after the raise (anyio's pool for Starlette's file responses and sync handlers),
-through a one-shot ``threading.setprofile`` hook. Threads started from C are not covered: libuv's pool is
+priority. A new thread starts at its creator's nice value, so every thread the threading module starts
+after the raise (forward, decode, search, engine start, asyncio's and anyio's pools) first puts itself
+back at the process's own value, through a one-shot ``threading.setprofile`` hook (a thread may always
+raise its own nice value). Threads started from C are not covered: libuv's pool is
 started before the raise, and torch's OpenMP team is never started from the event loop (the server runs
 torch ops on worker threads)."""
 
@@ -53,7 +52,7 @@ def raise_calling_thread(step: int) -> bool:
         return False
     if _process_nice is None:
         _process_nice = base
-        threading.setprofile(_reset_new_thread)  # threads started by libraries (anyio's pool, ...) too
+        threading.setprofile(_reset_new_thread)  # every thread the threading module starts from now on
     log.info("event-loop thread at nice %d (the process's: %d)", thread_nice(tid), base)
     return True
 
@@ -75,11 +74,6 @@ def start_libuv_pool(host: str, port: int) -> None:
         loop.close()
 
 
-def raised() -> bool:
-    """Whether a thread of this process was raised above the process's priority."""
-    return _process_nice is not None
-
-
 def _reset_new_thread(frame: object, event: str, arg: object) -> None:
     """The profile hook of every thread the threading module starts after a raise (``threading.setprofile``):
     at the thread's first call, back to the process's nice value, then no profiling at all."""
@@ -88,8 +82,8 @@ def _reset_new_thread(frame: object, event: str, arg: object) -> None:
 
 
 def worker_thread_start() -> None:
-    """Put the calling thread back at the process's nice value, where a thread above it created it (the
-    initializer of worker pools, the first step of the forward threads); nothing otherwise."""
+    """Put the calling thread back at the process's nice value, where a thread above it created it; nothing
+    otherwise."""
     if _process_nice is None:
         return
     try:

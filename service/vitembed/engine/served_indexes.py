@@ -26,7 +26,6 @@ from vit_backbone.checkpoint import CheckpointFacts, checkpoint_facts, models_ma
 from vit_backbone.errors import SizeError, VitEmbedError
 from vit_backbone.preprocess import check_token_budget
 from vit_backbone.preprocess_config import literal_size
-from vitembed.engine.priority import worker_thread_start
 from vitembed.engine.request_types import EmbedOptions
 from vitembed.settings import ServiceSettings, split_index_target
 from vitembed.settings_error import SettingsError
@@ -53,9 +52,7 @@ class SearchState:
 
     indexes: dict[str, ServedIndex] = field(default_factory=dict)
     executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(
-            SEARCH_THREADS, thread_name_prefix="search", initializer=worker_thread_start
-        )
+        default_factory=lambda: ThreadPoolExecutor(SEARCH_THREADS, thread_name_prefix="search")
     )
     rebind: Callable[[str], ServedIndex] | None = None  # reopens and binds one index again (hot swap)
     _swap_lock: threading.Lock = field(default_factory=threading.Lock)

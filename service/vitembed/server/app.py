@@ -24,8 +24,6 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from vitembed.engine.engine import Engine
-from vitembed.engine.priority import raised as priority_raised
-from vitembed.engine.priority import worker_thread_start
 from vitembed.engine.served_indexes import load_indexes
 from vitembed.gc_heap import freeze_startup_heap, release_heap
 from vitembed.metrics import Metrics
@@ -65,7 +63,7 @@ async def _on_own_thread(func: Any) -> None:
     stays alive (asyncio's default pool) they leave an OpenMP team behind, and with more OpenMP threads
     than cores every parallel step of the forward thread then waits on a wake-up (measured 1.3-1.9x slower
     single-image forwards)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="engine-start", initializer=worker_thread_start) as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
         await asyncio.get_running_loop().run_in_executor(pool, func)
 
 
@@ -109,10 +107,6 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if priority_raised():  # asyncio.to_thread's pool: its threads at the process's priority
-            asyncio.get_running_loop().set_default_executor(
-                ThreadPoolExecutor(thread_name_prefix="asyncio", initializer=worker_thread_start)
-            )
         if engine is not None:
             app.state.engine = engine
             gate.engine = engine
