@@ -11,10 +11,13 @@ capacity then measured with it):
 
 1. capacity: probes of closed-loop clients 1, 2, 4, 8, 16 and 32 (every one: a probe that stopped once the
    rate did not rise was fooled by one slow probe at 4 clients on a VM whose speed drifts); C is the fewest
-   clients within 5 % of the best probe. The capacity itself is measured as long as a scenario, with the
-   clients of the best probe, once before the block's scenarios and once after them, and is the mean of
-   the two (the best of six 12 s probes overstates what the server sustains, and the VM drifts over the
-   block's ten minutes); each goodput is also reported over the best probe;
+   clients within 5 % of the best probe. The capacity itself is measured by reference runs as long as a
+   scenario, with the clients of the best probe: one before the block's first scenario and one after each
+   scenario, so that every scenario lies between two of them. A scenario is judged against the mean of
+   the two beside it: the VM's speed drifts by 5-15 % over a block's quarter hour, more than the margin
+   the goodput bar leaves, so one capacity for the whole block misjudges its first and last scenarios.
+   Each goodput is also reported over the block's capacity (the mean of all its reference runs) and over
+   the best probe (the best of six 12 s probes overstates what the server sustains);
 2. overload: 2C, 4C, 16C and 256 closed-loop clients that ignore ``Retry-After`` (or the overload would
    vanish), and a well-behaved run (16C clients that wait ``Retry-After``);
 3. open loop: Poisson arrivals at twice the capacity, each on its own connection;
@@ -86,7 +89,7 @@ class Summary:
     load: str
     duration_s: float
     goodput: float  # 200s within the deadline, completed inside the window, per second
-    # of the capacity under the same conditions: the mean of the block's capacity runs before and after it
+    # of the capacity under the same conditions: the mean of the reference runs just before and just after it
     fraction: float
     p50_ok_s: float
     p99_ok_s: float
@@ -238,6 +241,37 @@ def goodput_fraction_after(records: list[Record], since: float, span: float, cap
 
 
 # ------------------------------------------------------------------------------------------- the run
+SCENARIOS = (
+    "closed 2C",
+    "closed 4C",
+    "closed 16C",
+    "closed 256",
+    "well-behaved 16C",
+    "open loop 2x",
+    "16C then C (recovery)",
+)
+
+
+def scenario_load(name: str, c: int, rate: float, duration: float, tail: float) -> tuple[str, list[Group]]:
+    """The load of one of ``SCENARIOS`` (its description and client groups); ``rate``: the capacity measured
+    just before it, ``tail``: how long the recovery scenario's C clients run once its 16C overload stops."""
+    if name == "closed 256":
+        return "256 clients", [Group("main", clients=256, duration_s=duration)]
+    if name.startswith("closed "):
+        clients = int(name.split()[1].rstrip("C")) * c
+        return f"{clients} clients", [Group("main", clients=clients, duration_s=duration)]
+    if name == "well-behaved 16C":
+        return f"{16 * c} clients, honour Retry-After", [
+            Group("main", clients=16 * c, duration_s=duration, honour_retry_after=True)
+        ]
+    if name == "open loop 2x":
+        return f"{2 * rate:.1f} req/s Poisson", [Group("main", rate=2 * rate, duration_s=duration)]
+    return f"{16 * c} then {c} clients", [
+        Group("main", clients=16 * c, duration_s=duration),
+        Group("after", clients=c, start_s=duration, duration_s=tail),
+    ]
+
+
 def closed_rate(port: int, payloads: list[bytes], clients: int, duration: float) -> tuple[float, int]:
     """200s per second (completed inside the window) of ``clients`` closed-loop clients, and their 429s."""
     records, _ = run_loadgen(port, payloads, [Group("cap", clients=clients, duration_s=duration)])
@@ -267,19 +301,22 @@ def reference_capacity(
     port: int, payloads: list[bytes], clients: int, duration: float, when: str
 ) -> dict[str, Any]:
     """A capacity run as long as a scenario, with the clients of the best probe: the best of six short probes
-    on a VM whose speed drifts by several percent is an upward-biased estimate of what the server sustains,
-    and it was taken minutes before the last scenario of the block. One such run before the block's
-    scenarios and one after; the capacity a scenario is judged against is their mean."""
+    on a VM whose speed drifts by several percent is an upward-biased estimate of what the server sustains.
+    One such run before a block's first scenario and one after each scenario; a scenario is judged against
+    the mean of the two beside it."""
     rate, refused = closed_rate(port, payloads, clients, duration)
     print(
         f"  capacity {when}: {clients} clients for {duration:.0f} s: {rate:6.2f}/s ({refused} × 429)",
         flush=True,
     )
-    return {"images_per_s": rate, "n_429": refused}
+    return {"when": when, "images_per_s": rate, "n_429": refused}
 
 
-def rebase(summary: Summary, capacity: float, best_probe: float) -> None:
-    summary.fraction = summary.goodput / capacity if capacity else math.nan
+def rebase(summary: Summary, beside: float, block: float, best_probe: float) -> None:
+    """Goodput over the capacity beside the scenario (the bar), the block's and the best probe's."""
+    summary.fraction = summary.goodput / beside if beside else math.nan
+    summary.extra["capacity_beside"] = beside
+    summary.extra["fraction_of_block"] = summary.goodput / block if block else math.nan
     summary.extra["fraction_of_best_probe"] = summary.goodput / best_probe if best_probe else math.nan
 
 
@@ -303,34 +340,14 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                 if best <= 0:
                     print("  no request finished within a probe: the machine is too busy to measure")
                     continue
-                before = reference_capacity(port, payloads, saturating, duration, "before the scenarios")
-                capacity = before["images_per_s"]  # the open loop's rate and the figures printed meanwhile
-                runs: list[tuple[str, str, list[Group]]] = [
-                    (
-                        f"closed {n}C",
-                        f"{n * c} clients",
-                        [Group("main", clients=n * c, duration_s=duration)],
-                    )
-                    for n in (2, 4, 16)
-                ]
-                runs.append(("closed 256", "256 clients", [Group("main", clients=256, duration_s=duration)]))
-                runs.append(
-                    (
-                        "well-behaved 16C",
-                        f"{16 * c} clients, honour Retry-After",
-                        [Group("main", clients=16 * c, duration_s=duration, honour_retry_after=True)],
-                    )
-                )
-                runs.append(
-                    (
-                        "open loop 2x",
-                        f"{2 * capacity:.1f} req/s Poisson",
-                        [Group("main", rate=2 * capacity, duration_s=duration)],
-                    )
-                )
+                refs = [reference_capacity(port, payloads, saturating, duration, "before the scenarios")]
+                tail = 10.0  # the recovery scenario: C clients for this long once a 16C overload stops
+
                 block: list[Summary] = []
-                for name, load, groups in runs:
-                    summary, _ = scenario(
+                recovery_records: list[Record] = []
+                for name in SCENARIOS:
+                    load, groups = scenario_load(name, c, refs[-1]["images_per_s"], duration, tail)
+                    summary, records = scenario(
                         proc,
                         port,
                         payloads,
@@ -338,30 +355,14 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                         with_neighbour,
                         load,
                         groups,
-                        capacity,
+                        refs[-1]["images_per_s"],  # the figures printed meanwhile
                         neighbour_pid=spinner,
                     )
                     block.append(summary)
-                # recovery: C clients start the moment a 16C overload stops
-                tail = 10.0
-                groups = [
-                    Group("main", clients=16 * c, duration_s=duration),
-                    Group("after", clients=c, start_s=duration, duration_s=tail),
-                ]
-                recovery, records = scenario(
-                    proc,
-                    port,
-                    payloads,
-                    "16C then C (recovery)",
-                    with_neighbour,
-                    f"{16 * c} then {c} clients",
-                    groups,
-                    capacity,
-                    neighbour_pid=spinner,
-                )
-                block.append(recovery)
-                after = reference_capacity(port, payloads, saturating, duration, "after the scenarios")
-                capacity = (before["images_per_s"] + after["images_per_s"]) / 2
+                    if len(groups) > 1:
+                        recovery_records = records
+                    refs.append(reference_capacity(port, payloads, saturating, duration, f"after {name}"))
+                capacity = sum(r["images_per_s"] for r in refs) / len(refs)
                 results["capacity"][key] = {
                     "images_per_s": capacity,
                     "clients": c,
@@ -369,17 +370,23 @@ def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
                     "best_probe": best,
                     "reference_clients": saturating,
                     "reference_s": duration,
-                    "before": before,
-                    "after": after,
+                    "references": refs,
                 }
-                for summary in block:
-                    rebase(summary, capacity, best)
+                for i, summary in enumerate(block):
+                    beside = (refs[i]["images_per_s"] + refs[i + 1]["images_per_s"]) / 2
+                    rebase(summary, beside, capacity, best)
+                recovery = block[-1]
+                beside = recovery.extra["capacity_beside"]
                 recovery.extra["recovery_s"] = recovery_seconds(
-                    records, "after", duration, capacity, duration + tail
+                    recovery_records, "after", duration, beside, duration + tail
                 )
-                recovery.extra["server_after_stop"] = goodput_fraction_after(records, duration, 5.0, capacity)
+                recovery.extra["server_after_stop"] = goodput_fraction_after(
+                    recovery_records, duration, 5.0, beside
+                )
                 print(
-                    f"  {key}: capacity {capacity:.2f}/s (best probe {best:.2f}/s); goodput ÷ capacity: "
+                    f"  {key}: capacity {capacity:.2f}/s (references "
+                    + ", ".join(f"{r['images_per_s']:.1f}" for r in refs)
+                    + f"; best probe {best:.2f}/s); goodput ÷ capacity beside: "
                     + ", ".join(f"{s.scenario} {s.fraction:.0%}" for s in block)
                     + f"; recovery to 90 % of capacity: {recovery.extra['recovery_s']:.1f} s "
                     f"(server's goodput in the 5 s after the stop: "

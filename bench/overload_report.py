@@ -12,7 +12,9 @@ COLUMNS = (
     "neighbour",
     "load",
     "goodput /s",
-    "÷ capacity",
+    "capacity beside /s",
+    "÷ capacity beside",
+    "÷ block capacity",
     "÷ best probe",
     "p50 / p99 admitted s (sent in time)",
     "429 (p99 ms: in time / in time after the first second / early)",
@@ -34,7 +36,9 @@ def table_row(s: dict[str, Any]) -> str:
         "busy" if s["neighbour"] else "quiet",
         s["load"],
         f"{s['goodput']:.1f}",
+        f"{s['extra'].get('capacity_beside', math.nan):.1f}",
         f"{s['fraction']:.0%}",
+        f"{s['extra'].get('fraction_of_block', math.nan):.0%}",
         f"{s['extra'].get('fraction_of_best_probe', math.nan):.0%}",
         f"{s['p50_ok_s']:.2f} / {s['p99_ok_s']:.2f} ({s['p99_ok_in_time_s']:.2f})",
         f"{s['n_429']} ({s['p99_429_ms']:.0f} / {s.get('p99_429_settled_ms', math.nan):.0f} / "
@@ -76,6 +80,18 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     ]
     for key, cap in results["capacity"].items():
         probes = ", ".join(f"{p['clients']}: {p['images_per_s']:.1f}/s" for p in cap["probes"])
+        if "references" in cap:
+            refs = cap["references"]
+            lines.append(
+                f"- capacity ({key}): **{cap['images_per_s']:.1f} images/s** over the block, the mean of "
+                f"{len(refs)} reference runs ({cap['reference_clients']} closed-loop clients for "
+                f"{cap['reference_s']:.0f} s each; {sum(r['n_429'] for r in refs)} × 429 in all), one before "
+                "the first scenario and one after each: "
+                + ", ".join(f"{r['images_per_s']:.1f}" for r in refs)
+                + f"/s. Each scenario is judged against the mean of the two beside it. C = {cap['clients']} "
+                f"clients, the fewest within 5 % of the best 12 s probe, {cap['best_probe']:.1f}/s ({probes})"
+            )
+            continue
         if "before" not in cap:  # a run before the capacity runs: the best probe was the capacity
             lines.append(
                 f"- capacity ({key}): **{cap['images_per_s']:.1f} images/s** with C = {cap['clients']} "
