@@ -35,7 +35,8 @@ first body in the same instant). Then memory: RSS after 1,000 and after
 10,000 requests (mixed sizes and counts, some invalid) on a tiny random-init model (so the run takes a
 minute; growth is the server's).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--torch-threads N] [--out DIR]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--seconds S] [--torch-threads N]
+        [--out DIR]
 
 Writes ``overload.md`` and ``overload.json`` into ``bench/results``; ``--quick`` shortens every scenario (a
 smoke run, not numbers to quote) and writes into a temporary folder unless ``--out`` names one. A full run
@@ -320,15 +321,15 @@ def rebase(summary: Summary, beside: float, block: float, best_probe: float) -> 
     summary.extra["fraction_of_best_probe"] = summary.goodput / best_probe if best_probe else math.nan
 
 
-def overload_suite(model: str, out: Path, quick: bool) -> dict[str, Any]:
-    duration = 8.0 if quick else 30.0
+def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = None) -> dict[str, Any]:
+    duration = seconds or (8.0 if quick else 30.0)
     probe = 5.0 if quick else 12.0
     with (
         tempfile.TemporaryDirectory() as tmp,
         server(model, Path(tmp) / "serve.log", torch_threads=TORCH_THREADS) as (proc, port),
     ):
         payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
-        results: dict[str, Any] = {"scenarios": [], "capacity": {}}
+        results: dict[str, Any] = {"scenarios": [], "capacity": {}, "scenario_s": duration}
         # the server's event-loop thread (its main thread) runs at a lower nice value where it may
         results["event_loop_nice"] = os.getpriority(os.PRIO_PROCESS, proc.pid)
         results["process_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
@@ -409,6 +410,13 @@ def main() -> None:
         default=None,
         help="the server's torch threads (default: its own); 1 avoids OpenMP barriers on a crowded machine",
     )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="each scenario's and each capacity reference run's length (default 30, --quick 8); longer "
+        "windows average out more of a shared VM's second-to-second noise",
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-overload", action="store_true")
     args = parser.parse_args()
@@ -430,7 +438,7 @@ def main() -> None:
             wait_for_idle(0.3, 600)
             results["load_before"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         if not args.skip_overload:
-            results.update(overload_suite(args.model, out, args.quick))
+            results.update(overload_suite(args.model, out, args.quick, args.seconds))
         if not args.skip_memory:
             results["memory"] = memory_suite(args.quick, TORCH_THREADS)
     results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -60,7 +60,9 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     lines = [
         "# Overload benchmark (`bench/overload.py`)",
         "",
-        f"Run: {results['when']}, {kind}; server torch threads: {results.get('torch_threads') or 'default'}; "
+        f"Run: {results['when']}, {kind}"
+        + (f", {results['scenario_s']:.0f} s per scenario" if "scenario_s" in results else "")
+        + f"; server torch threads: {results.get('torch_threads') or 'default'}; "
         f"machine: {results['machine']}; load average before / after: "
         f"{results['load_before']} / {results['load_after']}"
         + (
