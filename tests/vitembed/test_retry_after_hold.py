@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ REFUSAL = (
 
 MARK_KEY = "test.mark"  # what the gate hands to a request it lets through, as the real gate hands its lease
 DONE: list[str] = []  # marks of the requests the protocol reported done (gate_done)
+GATED: list[str] = []  # marks of the requests whose head reached the gate
 
 
 def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | dict[str, object] | None:
@@ -38,6 +40,7 @@ def gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> byt
     if fields.get(b"x-refuse") == b"1":
         return REFUSAL
     if b"x-mark" in fields:
+        GATED.append(fields[b"x-mark"].decode())
         return {MARK_KEY: fields[b"x-mark"].decode()}
     return None
 
@@ -344,3 +347,24 @@ def test_what_the_gate_hands_a_request_reaches_it_and_no_other_and_comes_back_wh
         )
         time.sleep(0.2)
     assert until(lambda: sorted(DONE) == ["a", "b", "c", "d"])
+
+
+@pytest.mark.parametrize("how", ["fin", "reset"])
+def test_a_held_request_whose_client_left_is_dropped_unread(enforcing: int, how: str) -> None:
+    """When a flood stops, its callers go and leave their early requests held: once the hold ends the
+    server finds the client gone and drops the connection, so the request never reaches the gate (nor an
+    admission place, a decode or a forward pass). A client still there is served as before."""
+    GATED.clear()
+    with connect(enforcing) as stays, connect(enforcing) as leaves:
+        for sock in (stays, leaves):
+            assert timed(sock, refuse=True)[0] == 429
+        for sock, mark in ((stays, "stays"), (leaves, "leaves")):  # early: both held
+            head = f"POST /v1/embed HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(BODY)}\r\n"
+            sock.sendall(head.encode() + f"x-mark: {mark}\r\n\r\n".encode() + BODY)
+        if how == "reset":
+            leaves.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        leaves.close()
+        status, raw = answer(stays)
+        assert status == 200 and json.loads(raw.partition(b"\r\n\r\n")[2]) == {"received": len(BODY)}
+    time.sleep(0.5)  # the other connection's release came at the same moment
+    assert GATED == ["stays"]

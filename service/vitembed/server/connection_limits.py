@@ -12,7 +12,8 @@
   connection that sends no complete request head within ``header_timeout_s`` of opening (or of starting a
   request) is closed (408 if it had begun one). Idle keep-alive connections are closed by uvicorn's own
   keep-alive timeout, counted on a connection answered 429 from the end of the ``Retry-After`` it was
-  given (a caller that waits as told finds its connection open). With a gate
+  given (a caller that waits as told finds its connection open); a request held until that Retry-After is
+  dropped with its connection if its client left meanwhile. With a gate
   (``early_refusal.AdmissionGate``) it also answers admission refusals on the request head, before any ASGI
   task exists.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -110,6 +112,19 @@ Gate = Callable[[str, bytes, Sequence[tuple[bytes, bytes]]], bytes | dict[str, A
 MAX_HOLD_S = 10.0  # the longest a request sent before its connection's Retry-After is held
 # the longest a refusal on the head of a chunked request waits for its body before it is sent
 ANSWER_WAIT_S = 1.0
+
+
+def peer_closed(transport: asyncio.BaseTransport) -> bool:
+    """Whether the peer has closed its side of a connection whose reading is paused (a held request): Linux
+    reports the FIN or RST with POLLRDHUP even while unread bytes wait in front of it. False where the
+    platform has no such flag: the request is then read, and its disconnect found as for any other."""
+    flag = getattr(select, "POLLRDHUP", None)
+    sock = transport.get_extra_info("socket")
+    if flag is None or sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), flag)
+    return bool(poller.poll(0))
 
 
 def retry_after_of(response: bytes) -> float:
@@ -209,6 +224,10 @@ def header_timeout_protocol(
             held, self._held = self._held or [], None
             self._retry_at = None
             if self.transport.is_closing():
+                return
+            if peer_closed(self.transport):  # the client left during the hold (a flood that stopped): its
+                # request would only be admitted, read and decoded for nobody, and take a new caller's place
+                self.transport.close()
                 return
             self.flow.resume_reading()
             for chunk in held:  # a chunk that starts another early request is held again
