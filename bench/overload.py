@@ -22,8 +22,11 @@ capacity then measured with it):
    vanish), and a well-behaved run (16C clients that wait ``Retry-After``);
 3. open loop: Poisson arrivals at twice the capacity, each on its own connection;
 4. recovery: right after the 16C overload stops, C clients: seconds until their goodput over a 1 s window
-   is back at 90 % of capacity; beside it the server's own goodput (every client's) over the 5 s after the
-   stop, since the flood's clients still have requests in flight (sent before the stop) that share it.
+   is back at 90 % of capacity, twice: once with the flood's callers gone at the stop (each closes its
+   connection and drops the request it has in flight: the overload is over), once with them waiting for
+   the answers to the requests they sent before it (the server held most of those until their
+   Retry-After, and serves them first: callers refused earlier are let back earlier). Beside each, the
+   server's own goodput (every client's) over the 5 s after the stop.
 
 Reported per scenario: goodput (200s within the deadline per second) as a fraction of capacity, p50/p99 of
 admitted requests, p99 of 429 answers (from request start), 504s, 5xx, the load generator's CPU, the
@@ -35,8 +38,8 @@ first body in the same instant). Then memory: RSS after 1,000 and after
 10,000 requests (mixed sizes and counts, some invalid) on a tiny random-init model (so the run takes a
 minute; growth is the server's).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--seconds S] [--torch-threads N]
-        [--out DIR]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--seconds S] [--clients C]
+        [--torch-threads N] [--out DIR]
 
 Writes ``overload.md`` and ``overload.json`` into ``bench/results``; ``--quick`` shortens every scenario (a
 smoke run, not numbers to quote) and writes into a temporary folder unless ``--out`` names one. A full run
@@ -59,7 +62,7 @@ from typing import Any
 
 from bench.common.machine import bench_lock, system_cpu_seconds, wait_for_idle
 from bench.common.report import add_output_options, output_dir
-from bench.overload_loadgen import Group, Record, jpeg_noise, multipart_request
+from bench.overload_loadgen import ABANDONED, Group, Record, jpeg_noise, multipart_request
 from bench.overload_memory import memory_suite
 from bench.overload_processes import cpu_seconds, neighbour, rss_mib, run_loadgen, server
 from bench.overload_report import write_report
@@ -158,7 +161,7 @@ def summarise(
         n_429=len(refused),
         n_504=sum(r.status == 504 for r in mine),
         n_5xx=sum(r.status >= 500 and r.status != 504 for r in mine),
-        n_other=sum(r.status not in (200, 429) and r.status < 500 for r in mine),
+        n_other=sum(r.status not in (200, 429, ABANDONED) and r.status < 500 for r in mine),
         loadgen_cores=loadgen_cpu / max(r.end for r in records) if records else math.nan,
         server_cores=server_cpu / max(r.end for r in records) if records else math.nan,
         steal_cores=machine_cpu[0],
@@ -249,6 +252,7 @@ SCENARIOS = (
     "closed 256",
     "well-behaved 16C",
     "open loop 2x",
+    "16C leave, then C (recovery)",
     "16C then C (recovery)",
 )
 
@@ -267,8 +271,9 @@ def scenario_load(name: str, c: int, rate: float, duration: float, tail: float) 
         ]
     if name == "open loop 2x":
         return f"{2 * rate:.1f} req/s Poisson", [Group("main", rate=2 * rate, duration_s=duration)]
-    return f"{16 * c} then {c} clients", [
-        Group("main", clients=16 * c, duration_s=duration),
+    leave = name.startswith("16C leave")
+    return f"{16 * c} {'leave, ' if leave else ''}then {c} clients", [
+        Group("main", clients=16 * c, duration_s=duration, leave_at_stop=leave),
         Group("after", clients=c, start_s=duration, duration_s=tail),
     ]
 
@@ -321,7 +326,9 @@ def rebase(summary: Summary, beside: float, block: float, best_probe: float) -> 
     summary.extra["fraction_of_best_probe"] = summary.goodput / best_probe if best_probe else math.nan
 
 
-def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = None) -> dict[str, Any]:
+def overload_suite(
+    model: str, out: Path, quick: bool, seconds: float | None = None, clients: int | None = None
+) -> dict[str, Any]:
     duration = seconds or (8.0 if quick else 30.0)
     probe = 5.0 if quick else 12.0
     with (
@@ -330,12 +337,15 @@ def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = N
     ):
         payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
         results: dict[str, Any] = {"scenarios": [], "capacity": {}, "scenario_s": duration}
+        if clients:
+            results["clients_forced"] = clients
         # the server's event-loop thread (its main thread) runs at a lower nice value where it may
         results["event_loop_nice"] = os.getpriority(os.PRIO_PROCESS, proc.pid)
         results["process_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
         for with_neighbour in (False, True):
             with neighbour(with_neighbour) as spinner:
                 best, c, saturating, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
+                c = clients or c  # --clients: the floods' sizes fixed (the probes are still reported)
                 key = "busy" if with_neighbour else "quiet"
                 results["capacity"][key] = {"images_per_s": best, "clients": c, "probes": tried}
                 if best <= 0:
@@ -345,7 +355,7 @@ def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = N
                 tail = 10.0  # the recovery scenario: C clients for this long once a 16C overload stops
 
                 block: list[Summary] = []
-                recovery_records: list[Record] = []
+                recovery_records: dict[int, list[Record]] = {}  # block index -> the scenario's records
                 for name in SCENARIOS:
                     load, groups = scenario_load(name, c, refs[-1]["images_per_s"], duration, tail)
                     summary, records = scenario(
@@ -361,7 +371,7 @@ def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = N
                     )
                     block.append(summary)
                     if len(groups) > 1:
-                        recovery_records = records
+                        recovery_records[len(block) - 1] = records
                     refs.append(reference_capacity(port, payloads, saturating, duration, f"after {name}"))
                 capacity = sum(r["images_per_s"] for r in refs) / len(refs)
                 results["capacity"][key] = {
@@ -376,22 +386,27 @@ def overload_suite(model: str, out: Path, quick: bool, seconds: float | None = N
                 for i, summary in enumerate(block):
                     beside = (refs[i]["images_per_s"] + refs[i + 1]["images_per_s"]) / 2
                     rebase(summary, beside, capacity, best)
-                recovery = block[-1]
-                beside = recovery.extra["capacity_beside"]
-                recovery.extra["recovery_s"] = recovery_seconds(
-                    recovery_records, "after", duration, beside, duration + tail
-                )
-                recovery.extra["server_after_stop"] = goodput_fraction_after(
-                    recovery_records, duration, 5.0, beside
-                )
+                for index, records in recovery_records.items():
+                    recovery = block[index]
+                    beside = recovery.extra["capacity_beside"]
+                    recovery.extra["recovery_s"] = recovery_seconds(
+                        records, "after", duration, beside, duration + tail
+                    )
+                    recovery.extra["server_after_stop"] = goodput_fraction_after(
+                        records, duration, 5.0, beside
+                    )
+                    recovery.extra["abandoned"] = sum(r.status == ABANDONED for r in records)
                 print(
                     f"  {key}: capacity {capacity:.2f}/s (references "
                     + ", ".join(f"{r['images_per_s']:.1f}" for r in refs)
                     + f"; best probe {best:.2f}/s); goodput ÷ capacity beside: "
                     + ", ".join(f"{s.scenario} {s.fraction:.0%}" for s in block)
-                    + f"; recovery to 90 % of capacity: {recovery.extra['recovery_s']:.1f} s "
-                    f"(server's goodput in the 5 s after the stop: "
-                    f"{recovery.extra['server_after_stop']:.0%} of capacity)",
+                    + "; recovery to 90 % of capacity: "
+                    + ", ".join(
+                        f"{block[i].scenario} {block[i].extra['recovery_s']:.1f} s (server's goodput in the "
+                        f"5 s after the stop: {block[i].extra['server_after_stop']:.0%} of capacity)"
+                        for i in recovery_records
+                    ),
                     flush=True,
                 )
                 results["scenarios"] += [asdict(s) for s in block]
@@ -417,6 +432,13 @@ def main() -> None:
         help="each scenario's and each capacity reference run's length (default 30, --quick 8); longer "
         "windows average out more of a shared VM's second-to-second noise",
     )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="C in every block instead of the fewest clients within 5 %% of the best probe (the probes "
+        "still run and are reported): --clients 32 makes the 16C floods 512 clients in both blocks",
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-overload", action="store_true")
     args = parser.parse_args()
@@ -438,7 +460,7 @@ def main() -> None:
             wait_for_idle(0.3, 600)
             results["load_before"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         if not args.skip_overload:
-            results.update(overload_suite(args.model, out, args.quick, args.seconds))
+            results.update(overload_suite(args.model, out, args.quick, args.seconds, args.clients))
         if not args.skip_memory:
             results["memory"] = memory_suite(args.quick, TORCH_THREADS)
     results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -73,6 +73,12 @@ class Group:
     start_s: float = 0.0
     duration_s: float = 10.0
     honour_retry_after: bool = False
+    # at the end of its duration a closed-loop client drops the request it has in flight (closes its
+    # connection) instead of waiting for the answer: the callers of a flood that stops go away
+    leave_at_stop: bool = False
+
+
+ABANDONED = -1  # a Record's status when its client closed the connection at its group's stop
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Record:
     group: str
     start: float  # seconds since the scenario began
     end: float
-    status: int  # 0: the connection failed
+    status: int  # 0: the connection failed; ABANDONED: dropped by its client at the group's stop
     retry_after: float | None
     # sent on a connection before the Retry-After of its last 429 had passed (a client ignoring it); a server
     # that enforces Retry-After holds such a request until then, so its latency is reported apart
@@ -128,6 +134,10 @@ async def _one(
                 conn.close()
                 conn = None
             return conn, status, headers
+        except asyncio.CancelledError:  # the client leaves: its connection goes with it
+            if conn is not None:
+                conn.close()
+            raise
         except (OSError, asyncio.IncompleteReadError, ValueError):
             if conn is not None:
                 conn.close()
@@ -152,7 +162,15 @@ async def run_groups(port: int, payloads: list[bytes], groups: list[Group], seed
         while now() < stop_at:
             began = now()
             early = began < refused_until
-            conn, status, headers = await _one(port, conn, payloads[k % len(payloads)])
+            request = _one(port, conn, payloads[k % len(payloads)])
+            if group.leave_at_stop:
+                try:
+                    conn, status, headers = await asyncio.wait_for(request, stop_at - began)
+                except asyncio.TimeoutError:  # _one closed the connection
+                    records.append(Record(group.name, began, now(), ABANDONED, None, early))
+                    return
+            else:
+                conn, status, headers = await request
             k += len(payloads) // 2 + 1
             retry = float(headers["retry-after"]) if "retry-after" in headers else None
             records.append(Record(group.name, began, now(), status, retry, early))

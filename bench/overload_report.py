@@ -31,6 +31,8 @@ def table_row(s: dict[str, Any]) -> str:
     recovery = f"; recovery {s['extra']['recovery_s']:.1f} s" if "recovery_s" in s["extra"] else ""
     if "server_after_stop" in s["extra"]:
         recovery += f" (server {s['extra']['server_after_stop']:.0%} in the 5 s after the stop)"
+    if s["extra"].get("abandoned"):
+        recovery += f"; {s['extra']['abandoned']} requests dropped by their callers at the stop"
     cells = (
         f"{s['scenario']}{recovery}",
         "busy" if s["neighbour"] else "quiet",
@@ -62,6 +64,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
         f"Run: {results['when']}, {kind}"
         + (f", {results['scenario_s']:.0f} s per scenario" if "scenario_s" in results else "")
+        + (f", C fixed at {results['clients_forced']} (--clients)" if "clients_forced" in results else "")
         + f"; server torch threads: {results.get('torch_threads') or 'default'}; "
         f"machine: {results['machine']}; load average before / after: "
         f"{results['load_before']} / {results['load_after']}"
