@@ -413,6 +413,13 @@ def overload_suite(
     return results
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--clients must be at least 1, not {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -434,7 +441,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--clients",
-        type=int,
+        type=positive_int,
         default=None,
         help="C in every block instead of the fewest clients within 5 %% of the best probe (the probes "
         "still run and are reported): --clients 32 makes the 16C floods 512 clients in both blocks",

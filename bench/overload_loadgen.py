@@ -73,7 +73,7 @@ class Group:
     start_s: float = 0.0
     duration_s: float = 10.0
     honour_retry_after: bool = False
-    # at the end of its duration a closed-loop client drops the request it has in flight (closes its
+    # closed loop only: at the end of its duration a client drops the request it has in flight (closes its
     # connection) instead of waiting for the answer: the callers of a flood that stops go away
     leave_at_stop: bool = False
 

@@ -94,7 +94,12 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                 "the first scenario and one after each: "
                 + ", ".join(f"{r['images_per_s']:.1f}" for r in refs)
                 + f"/s. Each scenario is judged against the mean of the two beside it. C = {cap['clients']} "
-                f"clients, the fewest within 5 % of the best 12 s probe, {cap['best_probe']:.1f}/s ({probes})"
+                + (
+                    "clients (--clients)"
+                    if "clients_forced" in results
+                    else "clients, the fewest within 5 % of the best 12 s probe"
+                )
+                + f"; the best probe {cap['best_probe']:.1f}/s ({probes})"
             )
             continue
         if "before" not in cap:  # a run before the capacity runs: the best probe was the capacity
@@ -116,10 +121,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     mem = results.get("memory")
     if mem:
         rss = mem["rss_mib"]
+        statuses = {int(k): v for k, v in mem["statuses"].items()}  # JSON made the codes strings
         lines += [
             "",
             "Memory (tiny random-init model; mixed requests: 1-8 images of 64x64 to 640x480, pooling=patch "
-            f"on some, an invalid image or option on others; statuses {mem['statuses']}): RSS at start "
+            f"on some, an invalid image or option on others; statuses {statuses}): RSS at start "
             f"{rss['start']:.1f} MiB, after {mem['first']} requests {rss[str(mem['first'])]:.1f} MiB, "
             f"after {mem['requests']} requests {rss[str(mem['requests'])]:.1f} MiB: "
             f"**{mem['growth']:+.1%}**.",

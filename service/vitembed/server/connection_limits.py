@@ -116,15 +116,20 @@ ANSWER_WAIT_S = 1.0
 
 def peer_closed(transport: asyncio.BaseTransport) -> bool:
     """Whether the peer has closed its side of a connection whose reading is paused (a held request): Linux
-    reports the FIN or RST with POLLRDHUP even while unread bytes wait in front of it. False where the
-    platform has no such flag: the request is then read, and its disconnect found as for any other."""
+    reports the FIN or RST with POLLRDHUP even while unread bytes wait in front of it. A client that only
+    half-closes after its request counts as gone, as uvicorn treats it (its end of input closes the
+    connection). False where the platform has no such flag or the socket cannot be asked: the request is
+    then read, and its disconnect found as for any other."""
     flag = getattr(select, "POLLRDHUP", None)
     sock = transport.get_extra_info("socket")
     if flag is None or sock is None:
         return False
-    poller = select.poll()
-    poller.register(sock.fileno(), flag)
-    return bool(poller.poll(0))
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), flag)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def retry_after_of(response: bytes) -> float:
