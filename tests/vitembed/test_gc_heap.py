@@ -67,7 +67,9 @@ def test_freezing_takes_the_live_heap_out_of_full_collections_until_the_last_rel
     kept = [[i] for i in range(50_000)]  # live objects the collector tracks
     try:
         frozen = freeze_startup_heap()
-        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        # a frozen object leaves the count only by dying, which another thread's may do at any moment (a CI
+        # run saw 2 fewer right after the freeze): the count may drop, never rise, and keeps what is live
+        assert len(kept) <= gc.get_freeze_count() <= frozen
         # a full collection walks the oldest generation only, which the freeze emptied of them
         assert not any(obj is kept[0] for obj in gc.get_objects(generation=2))
         freeze_startup_heap()  # a second app in the same process
