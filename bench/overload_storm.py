@@ -35,7 +35,9 @@ from bench.overload_processes import ROOT, run_loadgen
 
 
 # ------------------------------------------------------------------------------------------- the server side
-def serve_noting_connections(out: str, loop: str | None, listeners: int, argv: list[str]) -> None:
+def serve_noting_connections(
+    out: str, loop: str | None, listeners: int, own_accept: bool, argv: list[str]
+) -> None:
     """``vitembed serve`` with each connection's accept and first read noted, written to ``out`` at exit."""
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -55,24 +57,26 @@ def serve_noting_connections(out: str, loop: str | None, listeners: int, argv: l
 
     HttpToolsProtocol.connection_made = connection_made  # type: ignore[method-assign]
     HttpToolsProtocol.data_received = data_received  # type: ignore[method-assign]
-    plain_run = uvicorn.run
+    from vitembed.server import acceptor
 
-    def run(app: Any, **options: Any) -> None:
+    own_run = acceptor.run_server
+
+    def run_server(config: uvicorn.Config) -> None:
         if loop:
-            options["loop"] = loop
-        if listeners <= 1:
-            plain_run(app, **options)
+            config.loop = loop
+        if not own_accept or listeners > 1:  # uvicorn's own listeners: libuv accepts on uvloop
+            sockets = []
+            for _ in range(listeners if listeners > 1 else 0):  # bound; uvicorn listens once the app is up
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind((config.host, config.port))
+                sockets.append(sock)
+            uvicorn.Server(config).run(sockets=sockets or None)
             return
-        sockets = []
-        for _ in range(listeners):  # bound, not listening: the server listens once the app is ready
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((options["host"], options["port"]))
-            sockets.append(sock)
-        uvicorn.Server(uvicorn.Config(app, **options)).run(sockets=sockets)
+        own_run(config)
 
-    uvicorn.run = run
+    acceptor.run_server = run_server
     from vitembed.cli.main import main
 
     try:
@@ -144,7 +148,15 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=512)
     parser.add_argument("--ramp", type=float, default=1.0, help="seconds over which the clients join")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default=None)
-    parser.add_argument("--listeners", type=int, default=1, help="SO_REUSEPORT listening sockets")
+    parser.add_argument(
+        "--listeners", type=int, default=1, help="SO_REUSEPORT listening sockets (uvicorn's own listeners)"
+    )
+    parser.add_argument(
+        "--uvicorn-accept",
+        action="store_true",
+        help="uvicorn's own listener (on uvloop, libuv takes one connection per wake-up) instead of the "
+        "server's accept loop",
+    )
     args = parser.parse_args()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +165,7 @@ def main() -> None:
         env.setdefault("HF_HUB_OFFLINE", "1")
         code = (
             "import sys; from bench.overload_storm import serve_noting_connections as s; "
-            f"s({str(noted)!r}, {args.loop!r}, {args.listeners}, sys.argv[1:])"
+            f"s({str(noted)!r}, {args.loop!r}, {args.listeners}, {not args.uvicorn_accept}, sys.argv[1:])"
         )
         command = [sys.executable, "-c", code, "serve", "--model", "embedded=embedded", "--port", str(port)]
         with (Path(tmp) / "serve.log").open("wb") as log:
@@ -173,9 +185,13 @@ def main() -> None:
     refused = sorted((s for s in sent if s.status == 429 and s.port in made and s.port in first),
                      key=lambda s: s.joined)  # fmt: skip
     answers = sorted(s.answered - s.began for s in refused)
+    if args.listeners > 1:
+        accepting = f"uvicorn's listeners, {args.listeners} with SO_REUSEPORT"
+    else:
+        accepting = "uvicorn's listener" if args.uvicorn_accept else "the server's accept loop"
     print(
         f"{args.clients} clients over {args.ramp:g} s (loop {args.loop or 'uvicorn default'}, "
-        f"{args.listeners} listener(s)): {len(refused)} refused; 429 from request start p50 "
+        f"{accepting}): {len(refused)} refused; 429 from request start p50 "
         f"{1000 * statistics.median(answers):.0f} ms, p99 {1000 * answers[int(0.99 * len(answers))]:.0f} ms"
     )
     print("joined at | n | connect | write+drain | accept after connect | first read after accept | "

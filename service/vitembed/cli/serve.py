@@ -203,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from vitembed.engine.priority import raise_calling_thread, start_libuv_pool
+        from vitembed.server.acceptor import run_server
         from vitembed.server.app import create_app
         from vitembed.server.connection_limits import header_timeout_protocol
     except ImportError as exc:
@@ -226,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
         start_libuv_pool(settings.host, settings.port)
         raise_calling_thread(settings.event_loop_priority)
     try:
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
@@ -235,6 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=30,  # SIGTERM: stop accepting, finish in-flight requests, then exit
             access_log=False,
         )
+        run_server(config)  # uvicorn.run, with every waiting connection accepted per wake-up on uvloop
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
