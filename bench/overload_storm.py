@@ -188,7 +188,9 @@ def main() -> None:
     if args.listeners > 1:
         accepting = f"uvicorn's listeners, {args.listeners} with SO_REUSEPORT"
     else:
-        accepting = "uvicorn's listener" if args.uvicorn_accept else "the server's accept loop"
+        # on asyncio's loop the server keeps uvicorn's listener (it takes up to the backlog per wake-up)
+        own = not args.uvicorn_accept and args.loop != "asyncio"
+        accepting = "the server's accept loop" if own else "uvicorn's listener"
     print(
         f"{args.clients} clients over {args.ramp:g} s (loop {args.loop or 'uvicorn default'}, "
         f"{accepting}): {len(refused)} refused; 429 from request start p50 "

@@ -1,13 +1,16 @@
 """The server's own accept loop (``vitembed.server.acceptor``): one wake-up of the listening socket takes
 every connection waiting in the kernel's queue (libuv takes one), each accepted connection is a working
-transport with TCP_NODELAY, an accept error pauses accepting and then resumes it, and uvicorn's server
-listens through it on uvloop (its own listener elsewhere), failing with uvicorn's status 3 when the port is
-taken."""
+transport with TCP_NODELAY, running out of file descriptors pauses accepting and then resumes it while a
+connection's own accept error does not, connections accepted as a shutdown begins are shut down, and
+uvicorn's server listens through it on uvloop (its own listener elsewhere), failing with uvicorn's status 3
+when the port is taken."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -18,9 +21,10 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-import uvloop
 from vitembed.server import acceptor as acceptor_module
 from vitembed.server.acceptor import Acceptor, GreedyAcceptServer, _listening_socket, run_server
+
+uvloop = pytest.importorskip("uvloop")
 
 
 class Recorder(asyncio.Protocol):
@@ -30,6 +34,7 @@ class Recorder(asyncio.Protocol):
         self.made = made
         self.received = b""
         self.transport: asyncio.Transport | None = None
+        self.shut_down = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -37,6 +42,9 @@ class Recorder(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received += data
+
+    def shutdown(self) -> None:  # as uvicorn's protocols have
+        self.shut_down = True
 
 
 async def until(condition: Any, timeout: float = 5.0) -> None:
@@ -74,10 +82,12 @@ def test_one_wake_up_takes_every_waiting_connection_each_a_working_transport() -
 
 
 class FailsOnce:
-    """A listening socket whose first accept fails as when the process is out of file descriptors."""
+    """A listening socket whose first accept fails with ``error`` (EMFILE: the process is out of file
+    descriptors)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, error: int = 24) -> None:
         self.sock = sock
+        self.error = error
         self.failed = False
 
     def fileno(self) -> int:
@@ -86,7 +96,7 @@ class FailsOnce:
     def accept(self) -> tuple[socket.socket, Any]:
         if not self.failed:
             self.failed = True
-            raise OSError(24, "Too many open files")
+            raise OSError(self.error, os.strerror(self.error))
         return self.sock.accept()
 
     def close(self) -> None:
@@ -112,9 +122,48 @@ def test_an_accept_error_pauses_accepting_then_it_resumes(
         acceptor.close()
         client.close()
 
-    with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
-        uvloop.run(main())
+    logger = logging.getLogger("uvicorn.error")  # uvicorn's logging config stops it propagating to root
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            uvloop.run(main())
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "accepting connections paused for 0.2 s: [Errno 24] Too many open files" in caplog.text
+
+
+def test_a_connections_own_accept_error_takes_the_next_one_at_once() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = _listening_socket(socket.AF_INET, ("127.0.0.1", 0), 128)
+        client = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
+        made: list[Recorder] = []
+        failing = FailsOnce(listener, errno.EPROTO)
+        acceptor = Acceptor(loop, failing, lambda: Recorder(made))  # type: ignore[arg-type]
+        acceptor.start()
+        await until(lambda: len(made) == 1)
+        assert failing.failed and acceptor.wakes == 1  # not paused: the same wake-up took the connection
+        acceptor.close()
+        client.close()
+
+    uvloop.run(main())
+
+
+def test_connections_accepted_as_a_shutdown_begins_are_shut_down() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = _listening_socket(socket.AF_INET, ("127.0.0.1", 0), 128)
+        clients = [socket.create_connection(("127.0.0.1", listener.getsockname()[1])) for _ in range(8)]
+        made: list[Recorder] = []
+        acceptor = Acceptor(loop, listener, lambda: Recorder(made))
+        acceptor._accept()  # accepted, their hand-over not yet run
+        acceptor.close()  # uvicorn's shutdown closes the listener, then shuts down the connections it knows
+        await until(lambda: len(made) == 8)
+        assert all(p.shut_down for p in made)
+        for client in clients:
+            client.close()
+
+    uvloop.run(main())
 
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -165,11 +214,22 @@ def test_uvicorn_listens_through_the_acceptor_on_uvloop_and_its_own_listener_els
         socket.create_connection(("127.0.0.1", port), timeout=2)
 
 
-def test_a_taken_port_ends_the_run_with_uvicorns_startup_failure_status() -> None:
+def test_a_taken_port_ends_the_run_with_uvicorns_startup_failure_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    binds: list[Any] = []
+
+    def listening_socket(family: int, sockaddr: Any, backlog: int) -> socket.socket:
+        binds.append(sockaddr)
+        return _listening_socket(family, sockaddr, backlog)
+
+    monkeypatch.setattr(acceptor_module, "_listening_socket", listening_socket)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        config = uvicorn.Config(hello, host="127.0.0.1", port=taken.getsockname()[1], loop="uvloop")
+        port = taken.getsockname()[1]
+        config = uvicorn.Config(hello, host="127.0.0.1", port=port, loop="uvloop")
         with pytest.raises(SystemExit) as stopped:
             run_server(config)
     assert stopped.value.code == 3
+    assert binds == [("127.0.0.1", port)]  # the accept loop's own bind failed, not uvicorn's

@@ -11,12 +11,15 @@ loop takes up to the backlog per wake-up, but spends ~25 % more event-loop CPU o
 connection, up to ``MAX_ACCEPTS_PER_WAKE``, per wake-up, each handed to the loop with
 ``connect_accepted_socket`` and uvicorn's protocol. Everywhere else (asyncio's loop, TLS, a Unix socket or
 a file descriptor, sockets passed in, a host name with several addresses) it is uvicorn's own server.
+Its startup follows uvicorn's own ``Server.startup`` step for step (checked against 0.55, the version the
+image locks): the app's lifespan first, then the bind, so connections are refused while the app starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import sys
@@ -24,13 +27,15 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import uvicorn
-from uvicorn.server import STARTUP_FAILURE
+from uvicorn.config import STARTUP_FAILURE
 
 log = logging.getLogger("uvicorn.error")
 
 MAX_ACCEPTS_PER_WAKE = 256
-# out of file descriptors or memory: accepting pauses this long instead of spinning on the error
+# out of file descriptors or memory: accepting pauses this long instead of spinning on the error (as
+# asyncio's loop does); any other accept error is the waiting connection's own, and the next one is taken
 ACCEPT_RETRY_S = 0.5
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class Acceptor:
@@ -70,25 +75,38 @@ class Acceptor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except ConnectionAbortedError:  # the client gave up while it waited: the next one
-                continue
-            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: the queue stays as it is meanwhile
+            except OSError as exc:
+                if exc.errno not in OUT_OF_RESOURCES:  # this connection's failure (aborted, EPROTO...)
+                    log.debug("a connection failed while it was accepted: %s", exc)
+                    continue
+                # the waiting connections stay queued meanwhile (libuv would drop them)
                 log.warning("accepting connections paused for %g s: %s", ACCEPT_RETRY_S, exc)
                 self.loop.remove_reader(self.sock.fileno())
                 self._retry = self.loop.call_later(ACCEPT_RETRY_S, self.start)
                 return
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = self.loop.create_task(self._hand_over(conn))
+            try:
+                conn.setblocking(False)
+                task = self.loop.create_task(self._hand_over(conn))
+            except Exception:
+                conn.close()
+                raise
             self._handing.add(task)
             task.add_done_callback(self._handing.discard)
 
     async def _hand_over(self, conn: socket.socket) -> None:
+        """The connection to the loop as a transport with the server's protocol (uvloop sets TCP_NODELAY on
+        it, as on the connections it accepts itself)."""
         try:
-            await self.loop.connect_accepted_socket(self.protocol_factory, conn)
-        except OSError as exc:  # reset before the transport existed
-            log.debug("an accepted connection was lost before its transport: %s", exc)
+            _, protocol = await self.loop.connect_accepted_socket(self.protocol_factory, conn)
+        except Exception as exc:  # reset before its transport existed, or the protocol failed to start
+            log.log(logging.DEBUG if isinstance(exc, OSError) else logging.ERROR,
+                    "an accepted connection was dropped before it was served: %r", exc)  # fmt: skip
             conn.close()
+            return
+        if self._closed:  # accepted just before a shutdown began: uvicorn's shutdown did not see it
+            shutdown = getattr(protocol, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
 
     def close(self) -> None:
         if self._closed:
@@ -100,10 +118,13 @@ class Acceptor:
         self.sock.close()
 
     async def wait_closed(self) -> None:
+        """Nothing to wait for once ``close`` ran: no connection is accepted after it, and the connections
+        being handed over then are shut down as they start."""
         return None
 
 
 def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is uvloop's, whose listener takes one connection per wake-up."""
     return type(loop).__module__.split(".")[0] == "uvloop"
 
 
@@ -132,7 +153,7 @@ class GreedyAcceptServer(uvicorn.Server):
         try:  # bound only now, as uvicorn binds: connections are refused while the app starts
             sock = _listening_socket(family, sockaddr, config.backlog)
         except OSError as exc:
-            log.error(exc)
+            log.error("error while attempting to bind on address %s: %s", sockaddr, exc.strerror or exc)
             await self.lifespan.shutdown()
             sys.exit(STARTUP_FAILURE)
 
@@ -145,6 +166,7 @@ class GreedyAcceptServer(uvicorn.Server):
         acceptor.start()
         self.servers = [cast(Any, acceptor)]
         self._log_started_message([sock])
+        log.info("accepting every waiting connection per wake-up (the server's own accept loop on uvloop)")
         self.started = True
 
 
@@ -162,10 +184,11 @@ async def _single_address(
 
 
 def _listening_socket(family: int, sockaddr: Any, backlog: int) -> socket.socket:
+    """A non-blocking listening socket set up as asyncio's and uvloop's ``create_server`` set theirs."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio and uvloop set it
-        if family == socket.AF_INET6:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds past TIME_WAIT
+        if family == socket.AF_INET6:  # "::" is IPv6 only, as there: IPv4 needs an address of its own
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(sockaddr)
         sock.listen(backlog)
