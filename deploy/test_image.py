@@ -321,6 +321,12 @@ def offline_run() -> float:
         check(
             threads == "1" and "torch threads: 1" in logs, f"--cpus 1 -> torch threads 1 (cgroup: {threads})"
         )
+        # the image carries uvicorn's httptools protocol (the head gate: 429 on the request head, the head
+        # timeout) and uvloop with the server's own accept loop, as the overload bench measured them
+        check(
+            "httptools is not installed" not in logs and "the server's own accept loop on uvloop" in logs,
+            "the server runs the head gate (httptools) and its accept loop (uvloop)",
+        )
         health = podman("healthcheck", "run", name, check_rc=False)
         check(health.returncode == 0, f"HEALTHCHECK command passes ({health.stdout.strip() or 'healthy'})")
         return ready

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +84,34 @@ def test_dockerfile_declares_what_operators_rely_on() -> None:
         assert pins and body.count("--hash=sha256:") >= len(pins), lock
     assert "nvidia" not in (ROOT / "deploy" / "lock" / "requirements.txt").read_text()
     assert "torch==" not in (ROOT / "deploy" / "lock" / "requirements.txt").read_text()
+
+
+def test_the_image_lock_pins_every_requirement_of_what_the_image_installs() -> None:
+    """The image installs vitembed with ``--no-deps`` from the lock, so nothing checks its extras'
+    requirements at build time (``pip check`` sees vitembed without extras): a requirement missing from the
+    lock is silently absent from the image, as httptools and uvloop were (uvicorn then falls back to h11 and
+    asyncio)."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in ("service", "catalog"):  # the image's vitembed[service,catalog] (deploy/lock/update.sh)
+        wanted += project["optional-dependencies"][extra]
+    lock = (ROOT / "deploy" / "lock" / "requirements.txt").read_text()
+    torch = (ROOT / "deploy" / "lock" / "torch-cpu.txt").read_text()
+    pinned = {_canonical(name) for name in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", lock + torch, re.M)}
+    linux = {"sys_platform": "linux", "platform_system": "Linux", "python_version": "3.11"}
+    missing = []
+    for line in wanted:
+        requirement = Requirement(line)
+        applies = requirement.marker is None or requirement.marker.evaluate(linux)
+        if applies and _canonical(requirement.name) not in pinned:
+            missing.append(requirement.name)
+    assert missing == [], f"not in deploy/lock/requirements.txt (run deploy/lock/update.sh): {missing}"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_dockerignore_keeps_the_context_small() -> None:
