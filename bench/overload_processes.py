@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -31,13 +31,19 @@ cpu_seconds = process_cpu_seconds
 
 @contextmanager
 def server(
-    model: str, log_path: Path, *flags: str, torch_threads: int | None = None
+    model: str,
+    log_path: Path,
+    *flags: str,
+    torch_threads: int | None = None,
+    launcher: Sequence[str] = ("-m", "vitembed"),
 ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``vitembed serve`` on a free port, ready; ``launcher``: the interpreter's arguments before ``serve``
+    (``("-c", code)`` runs a patched server, as ``bench/overload_storm.py`` does)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITEMBED_")}
     if torch_threads:
         env["VITEMBED_TORCH_THREADS"] = str(torch_threads)
-    command = [sys.executable, "-m", "vitembed", "serve", "--model", model, "--port", str(port), *flags]
+    command = [sys.executable, *launcher, "serve", "--model", model, "--port", str(port), *flags]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

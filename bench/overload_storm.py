@@ -7,10 +7,11 @@ process of its own with uvicorn's httptools protocol patched to note, per connec
 (``--clients``, one request each, joining evenly over ``--ramp`` seconds, each on a connection of its own)
 note when they connected, when their body was written and drained, and when the answer's head came. Both
 use CLOCK_MONOTONIC and are matched by the client's port. Optionally the server runs on asyncio's loop
-instead of uvloop (``--loop asyncio``) or listens on several SO_REUSEPORT sockets (``--listeners N``).
+instead of uvloop (``--loop asyncio``), listens on several SO_REUSEPORT sockets (``--listeners N``) or
+with uvicorn's own listener instead of the server's accept loop (``--uvicorn-accept``).
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload_storm [--clients 512] [--ramp 1.0]
-        [--loop asyncio] [--listeners N]
+        [--loop asyncio] [--listeners N] [--uvicorn-accept]
 """
 
 from __future__ import annotations
@@ -21,17 +22,14 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common.server import free_port
 from bench.overload_loadgen import HOST, Group, jpeg_noise, multipart_request
-from bench.overload_processes import ROOT, run_loadgen
+from bench.overload_processes import run_loadgen, server
 
 
 # ------------------------------------------------------------------------------------------- the server side
@@ -121,22 +119,6 @@ async def storm(port: int, payloads: list[bytes], clients: int, ramp: float) -> 
     return out
 
 
-def wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited")
-        try:
-            with socket.create_connection((HOST, port), timeout=1) as sock:
-                sock.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if b" 200 " in sock.recv(64):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("the server did not become ready")
-
-
 def ms(values: list[float]) -> str:
     return f"{1000 * statistics.median(values):6.1f} / {1000 * max(values):6.1f}" if values else "-"
 
@@ -158,30 +140,21 @@ def main() -> None:
         "server's accept loop",
     )
     args = parser.parse_args()
-    port = free_port()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         noted = Path(tmp) / "connections.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VITEMBED_")}
-        env.setdefault("HF_HUB_OFFLINE", "1")
         code = (
             "import sys; from bench.overload_storm import serve_noting_connections as s; "
             f"s({str(noted)!r}, {args.loop!r}, {args.listeners}, {not args.uvicorn_accept}, sys.argv[1:])"
         )
-        command = [sys.executable, "-c", code, "serve", "--model", "embedded=embedded", "--port", str(port)]
-        with (Path(tmp) / "serve.log").open("wb") as log:
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(port, proc)
+        with server("embedded=embedded", Path(tmp) / "serve.log", launcher=("-c", code)) as (_, port):
             payloads = [multipart_request(port, [jpeg_noise(640, 480, seed)]) for seed in range(16)]
             run_loadgen(port, payloads, [Group("warm-up", clients=32, duration_s=8)])
             time.sleep(2.0)
             sent = asyncio.run(storm(port, payloads, args.clients, args.ramp))
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        server = json.loads(noted.read_text())
-    made = {int(k): v for k, v in server["made"].items()}
-    first = {int(k): v for k, v in server["first"].items()}
+        noted_times = json.loads(noted.read_text())
+    made = {int(k): v for k, v in noted_times["made"].items()}
+    first = {int(k): v for k, v in noted_times["first"].items()}
     refused = sorted((s for s in sent if s.status == 429 and s.port in made and s.port in first),
                      key=lambda s: s.joined)  # fmt: skip
     answers = sorted(s.answered - s.began for s in refused)

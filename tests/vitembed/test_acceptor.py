@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from threaded_server import running_on_a_thread
 from vitembed.server import acceptor as acceptor_module
 from vitembed.server.acceptor import Acceptor, GreedyAcceptServer, _listening_socket, run_server
 
@@ -185,19 +185,8 @@ def free_port() -> int:
 @contextmanager
 def serving(loop: str, port: int) -> Iterator[GreedyAcceptServer]:
     config = uvicorn.Config(hello, host="127.0.0.1", port=port, loop=loop, log_level="warning")
-    server = GreedyAcceptServer(config)
-    thread = threading.Thread(target=server.run)  # no signal handlers off the main thread
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise AssertionError("the server did not start")
-            time.sleep(0.02)
+    with running_on_a_thread(GreedyAcceptServer(config), timeout_s=10) as server:
         yield server
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.mark.parametrize(("loop", "own_acceptor"), [("uvloop", True), ("asyncio", False)])

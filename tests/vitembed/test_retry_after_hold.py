@@ -10,13 +10,13 @@ import asyncio
 import json
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
+from threaded_server import running_on_a_thread
 from vitembed.metrics import Metrics
 from vitembed.server.connection_limits import (
     ANSWER_WAIT_S,
@@ -96,17 +96,8 @@ def serve(enforce: bool, keep_alive_s: int = 5) -> Iterator[int]:
         lifespan="off",
         timeout_keep_alive=keep_alive_s,
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with running_on_a_thread(uvicorn.Server(config)):
+        yield port
 
 
 @pytest.fixture(scope="module")
