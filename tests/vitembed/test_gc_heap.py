@@ -1,5 +1,5 @@
-"""The serving process keeps the cyclic GC off its start-up heap (``gc_freeze``) and times every GC pause
-into ``vitembed_gc_pause_seconds``."""
+"""The serving process keeps the cyclic GC off its start-up heap (``gc_freeze``), collects its youngest
+generation less often (``gc_young_threshold``) and times every GC pause into ``vitembed_gc_pause_seconds``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 from conftest import OpenServer
 from promtext import sum_samples
-from vitembed.gc_heap import freeze_startup_heap, release_heap
+from vitembed.gc_heap import freeze_startup_heap, raise_young_threshold, release_heap, restore_thresholds
 from vitembed.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
@@ -93,3 +93,28 @@ async def test_app_freezes_its_heap_when_ready_times_pauses_and_releases_at_stop
     assert gc.get_freeze_count() == 0  # stopped: nothing left frozen
     async with serve(gc_freeze=False) as server:
         assert await server.metric("vitembed_gc_frozen_objects") == 0 == gc.get_freeze_count()
+
+
+def test_the_young_threshold_is_raised_never_lowered_and_restored_by_the_last_app() -> None:
+    before = gc.get_threshold()
+    try:
+        raise_young_threshold(12_345)
+        assert gc.get_threshold() == (12_345, *before[1:])  # the older generations' ratios stay Python's
+        raise_young_threshold(5_000)  # a second app asking for less: not lowered under the first
+        assert gc.get_threshold()[0] == 12_345
+        restore_thresholds()
+        assert gc.get_threshold()[0] == 12_345  # one app still serving
+    finally:
+        restore_thresholds()
+    assert gc.get_threshold() == before
+
+
+async def test_app_raises_the_young_threshold_when_ready_and_restores_it_at_stop(serve: OpenServer) -> None:
+    before = gc.get_threshold()
+    assert before[0] < 10_000  # Python's default (700), not left raised by another test
+    async with serve() as server:  # default settings
+        assert server.settings.gc_young_threshold == 10_000
+        assert gc.get_threshold() == (10_000, *before[1:])
+    assert gc.get_threshold() == before
+    async with serve(gc_young_threshold=0):
+        assert gc.get_threshold() == before

@@ -68,6 +68,8 @@ _ENV_ONLY = (
     "VITEMBED_GIL_SWITCH_INTERVAL_MS (default 0.5)",
     "VITEMBED_GC_FREEZE (default true: the start-up heap is frozen out of the cyclic GC once the app is "
     "ready)",
+    "VITEMBED_GC_YOUNG_THRESHOLD (default 10000: net allocations between two collections of the youngest "
+    "GC generation once the app is ready; Python's is 700; 0: unchanged)",
     "VITEMBED_ENFORCE_RETRY_AFTER (default true: after a 429, a connection is read again only once its "
     "Retry-After has passed)",
     "VITEMBED_SPREAD_RETRY_AFTER (default true: refused requests are told to come back at different "

@@ -25,7 +25,7 @@ from pydantic.json_schema import models_json_schema
 
 from vitembed.engine.engine import Engine
 from vitembed.engine.served_indexes import load_indexes
-from vitembed.gc_heap import freeze_startup_heap, release_heap
+from vitembed.gc_heap import freeze_startup_heap, raise_young_threshold, release_heap, restore_thresholds
 from vitembed.metrics import Metrics
 from vitembed.server.connection_limits import (
     BodyLimitMiddleware,
@@ -92,16 +92,21 @@ def create_app(settings: ServiceSettings, *, engine: Engine | None = None) -> Fa
 
     @contextlib.asynccontextmanager
     async def ready() -> AsyncIterator[None]:
-        """Everything is loaded: freeze the start-up heap (settings.gc_freeze) and time GC pauses; at
-        shutdown release the heap (the last app to stop gives it back to the collector, so a process that
-        goes on, as in tests, keeps no uncollectable cycles)."""
+        """Everything is loaded: freeze the start-up heap (settings.gc_freeze), raise the young GC
+        threshold (settings.gc_young_threshold) and time GC pauses; at shutdown release the heap and the
+        threshold (the last app to stop gives them back, so a process that goes on, as in tests, keeps no
+        uncollectable cycles and Python's own thresholds)."""
         if settings.gc_freeze:
             metrics.gc_frozen.set(freeze_startup_heap())
+        if settings.gc_young_threshold:
+            raise_young_threshold(settings.gc_young_threshold)
         metrics.gc_timer.install()
         try:
             yield
         finally:
             metrics.gc_timer.remove()
+            if settings.gc_young_threshold:
+                restore_thresholds()
             if settings.gc_freeze:
                 release_heap()
 
