@@ -39,7 +39,10 @@ first body in the same instant). Then memory: RSS after 1,000 and after
 minute; growth is the server's).
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.overload [--quick] [--seconds S] [--clients C]
-        [--torch-threads N] [--out DIR]
+        [--torch-threads N] [--scenarios NAMES] [--repeats N] [--blocks quiet,busy] [--out DIR]
+
+``--scenarios``, ``--repeats`` and ``--blocks`` play some scenarios, several times each
+(``bench/overload_scenarios.py``): one 30 s play moves by 10-20 % between runs on this VM.
 
 Writes ``overload.md`` and ``overload.json`` into ``bench/results``; ``--quick`` shortens every scenario (a
 smoke run, not numbers to quote) and writes into a temporary folder unless ``--out`` names one. A full run
@@ -66,6 +69,7 @@ from bench.overload_loadgen import ABANDONED, Group, Record, jpeg_noise, multipa
 from bench.overload_memory import memory_suite
 from bench.overload_processes import cpu_seconds, neighbour, rss_mib, run_loadgen, server
 from bench.overload_report import write_report
+from bench.overload_scenarios import SCENARIOS, scenario_load, select, select_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -245,39 +249,6 @@ def goodput_fraction_after(records: list[Record], since: float, span: float, cap
 
 
 # ------------------------------------------------------------------------------------------- the run
-SCENARIOS = (
-    "closed 2C",
-    "closed 4C",
-    "closed 16C",
-    "closed 256",
-    "well-behaved 16C",
-    "open loop 2x",
-    "16C leave, then C (recovery)",
-    "16C then C (recovery)",
-)
-
-
-def scenario_load(name: str, c: int, rate: float, duration: float, tail: float) -> tuple[str, list[Group]]:
-    """The load of one of ``SCENARIOS`` (its description and client groups); ``rate``: the capacity measured
-    just before it, ``tail``: how long the recovery scenario's C clients run once its 16C overload stops."""
-    if name == "closed 256":
-        return "256 clients", [Group("main", clients=256, duration_s=duration)]
-    if name.startswith("closed "):
-        clients = int(name.split()[1].rstrip("C")) * c
-        return f"{clients} clients", [Group("main", clients=clients, duration_s=duration)]
-    if name == "well-behaved 16C":
-        return f"{16 * c} clients, honour Retry-After", [
-            Group("main", clients=16 * c, duration_s=duration, honour_retry_after=True)
-        ]
-    if name == "open loop 2x":
-        return f"{2 * rate:.1f} req/s Poisson", [Group("main", rate=2 * rate, duration_s=duration)]
-    leave = name.startswith("16C leave")
-    return f"{16 * c} {'leave, ' if leave else ''}then {c} clients", [
-        Group("main", clients=16 * c, duration_s=duration, leave_at_stop=leave),
-        Group("after", clients=c, start_s=duration, duration_s=tail),
-    ]
-
-
 def closed_rate(port: int, payloads: list[bytes], clients: int, duration: float) -> tuple[float, int]:
     """200s per second (completed inside the window) of ``clients`` closed-loop clients, and their 429s."""
     records, _ = run_loadgen(port, payloads, [Group("cap", clients=clients, duration_s=duration)])
@@ -327,8 +298,17 @@ def rebase(summary: Summary, beside: float, block: float, best_probe: float) -> 
 
 
 def overload_suite(
-    model: str, out: Path, quick: bool, seconds: float | None = None, clients: int | None = None
+    model: str,
+    out: Path,
+    quick: bool,
+    seconds: float | None = None,
+    clients: int | None = None,
+    plays: Sequence[tuple[str, int]] | None = None,
+    blocks: Sequence[bool] = (False, True),
 ) -> dict[str, Any]:
+    """``plays``: the scenarios each block plays, with their play indices (``overload_scenarios.select``;
+    default: each once); ``blocks``: which blocks run, as ``with_neighbour`` flags."""
+    plays = list(plays or select(None))
     duration = seconds or (8.0 if quick else 30.0)
     probe = 5.0 if quick else 12.0
     with (
@@ -342,7 +322,9 @@ def overload_suite(
         # the server's event-loop thread (its main thread) runs at a lower nice value where it may
         results["event_loop_nice"] = os.getpriority(os.PRIO_PROCESS, proc.pid)
         results["process_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
-        for with_neighbour in (False, True):
+        if any(play for _, play in plays):
+            results["repeats"] = 1 + max(play for _, play in plays)
+        for with_neighbour in blocks:
             with neighbour(with_neighbour) as spinner:
                 best, c, saturating, tried = measure_capacity(proc, port, payloads, with_neighbour, probe)
                 c = clients or c  # --clients: the floods' sizes fixed (the probes are still reported)
@@ -356,7 +338,7 @@ def overload_suite(
 
                 block: list[Summary] = []
                 recovery_records: dict[int, list[Record]] = {}  # block index -> the scenario's records
-                for name in SCENARIOS:
+                for name, play in plays:
                     load, groups = scenario_load(name, c, refs[-1]["images_per_s"], duration, tail)
                     summary, records = scenario(
                         proc,
@@ -367,8 +349,10 @@ def overload_suite(
                         load,
                         groups,
                         refs[-1]["images_per_s"],  # the figures printed meanwhile
+                        seed=play,
                         neighbour_pid=spinner,
                     )
+                    summary.extra["play"] = play
                     block.append(summary)
                     if len(groups) > 1:
                         recovery_records[len(block) - 1] = records
@@ -416,7 +400,7 @@ def overload_suite(
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"--clients must be at least 1, not {value}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
 
 
@@ -446,9 +430,30 @@ def main() -> None:
         help="C in every block instead of the fewest clients within 5 %% of the best probe (the probes "
         "still run and are reported): --clients 32 makes the 16C floods 512 clients in both blocks",
     )
+    parser.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated scenarios to play in each block (default: all): "
+        + ", ".join(repr(s) for s in SCENARIOS),
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="play each chosen scenario this many times per block, each between two capacity references and "
+        "with its own seed; the report adds each one's mean, minimum and maximum",
+    )
+    parser.add_argument(
+        "--blocks", default="quiet,busy", help="which blocks to run: quiet, busy or both (default)"
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-overload", action="store_true")
     args = parser.parse_args()
+    try:
+        plays = select(args.scenarios, args.repeats)
+        blocks = select_blocks(args.blocks.split(","))
+    except ValueError as exc:
+        parser.error(str(exc))
     out = output_dir(args, "overload")
     global TORCH_THREADS
     TORCH_THREADS = args.torch_threads
@@ -467,7 +472,9 @@ def main() -> None:
             wait_for_idle(0.3, 600)
             results["load_before"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         if not args.skip_overload:
-            results.update(overload_suite(args.model, out, args.quick, args.seconds, args.clients))
+            results.update(
+                overload_suite(args.model, out, args.quick, args.seconds, args.clients, plays, blocks)
+            )
         if not args.skip_memory:
             results["memory"] = memory_suite(args.quick, TORCH_THREADS)
     results["load_after"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,43 @@ COLUMNS = (
 )
 
 
-def table_row(s: dict[str, Any]) -> str:
+def repeated(scenarios: list[dict[str, Any]]) -> list[str]:
+    """A line per scenario played more than once in a block: its goodput over the capacity beside each play
+    (mean, minimum, maximum, every play in order) and the 429 p99 after the first second (mean, maximum)."""
+    plays: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for s in scenarios:
+        plays.setdefault((s["scenario"], s["neighbour"]), []).append(s)
+    lines = []
+    for (name, busy), runs in plays.items():
+        if len(runs) < 2:
+            continue
+        fractions = [r["fraction"] for r in runs]
+        settled = [r.get("p99_429_settled_ms", math.nan) for r in runs]
+        settled_known = [v for v in settled if not math.isnan(v)]
+        lines.append(
+            f"- {name}, {'busy' if busy else 'quiet'}, {len(runs)} plays: goodput ÷ capacity beside mean "
+            f"**{statistics.fmean(fractions):.0%}** (min {min(fractions):.0%}, max {max(fractions):.0%}; "
+            + ", ".join(f"{f:.0%}" for f in fractions)
+            + "); 429 p99 after the first second "
+            + (
+                f"mean {statistics.fmean(settled_known):.0f} ms, max {max(settled_known):.0f} ms"
+                if settled_known
+                else "none"
+            )
+            + f"; 504 {sum(r['n_504'] for r in runs)}, 5xx {sum(r['n_5xx'] for r in runs)}"
+        )
+    return lines
+
+
+def table_row(s: dict[str, Any], repeats: int = 1) -> str:
     recovery = f"; recovery {s['extra']['recovery_s']:.1f} s" if "recovery_s" in s["extra"] else ""
     if "server_after_stop" in s["extra"]:
         recovery += f" (server {s['extra']['server_after_stop']:.0%} in the 5 s after the stop)"
     if s["extra"].get("abandoned"):
         recovery += f"; {s['extra']['abandoned']} requests dropped by their callers at the stop"
+    play = f" (play {s['extra']['play'] + 1})" if s["extra"].get("play") or repeats > 1 else ""
     cells = (
-        f"{s['scenario']}{recovery}",
+        f"{s['scenario']}{play}{recovery}",
         "busy" if s["neighbour"] else "quiet",
         s["load"],
         f"{s['goodput']:.1f}",
@@ -117,7 +147,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             f"5 % of the best 12 s probe, {cap['best_probe']:.1f}/s ({probes})"
         )
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += [table_row(s) for s in results["scenarios"]]
+    lines += [table_row(s, results.get("repeats", 1)) for s in results["scenarios"]]
+    summaries = repeated(results["scenarios"])
+    if summaries:
+        lines += ["", "Scenarios played more than once (each play between two capacity references):", ""]
+        lines += summaries
     mem = results.get("memory")
     if mem:
         rss = mem["rss_mib"]
