@@ -148,6 +148,37 @@ async def test_refusals_carry_the_reason_and_a_retry_after_from_the_predicted_wa
         assert load.reserved_images == 0 and server.engine.admission.held == 0
 
 
+async def test_work_whose_deadline_passes_before_its_decode_is_dropped_undecoded(
+    tiny_path: Path, images: Images, err: Err, held_decode: HeldDecode
+) -> None:
+    """One decode worker, held on the first image: the second request, admitted on a 0.3 s deadline, waits
+    behind it; released after that deadline (within the app's 1 s backstop), its image is dropped before
+    decoding and it gets the 504."""
+    async with serve_engine(tiny_path, max_wait_ms=2, decode_workers=1) as server:
+        load = tiny_load(server)
+        data = images.jpeg(60, 60, 3)
+        first = asyncio.ensure_future(server.client.post("/v1/embed", files={"image": data}))
+        assert await asyncio.to_thread(held_decode.begun.wait, 30)
+        inject(load, 0.01)  # 2 ms timer + 10 ms ahead + its own 10 ms: well within 0.3 s
+        decoded_before = await server.metric("vitembed_stage_seconds_count", stage="decode")
+        sent = asyncio.get_running_loop().time()
+        second = asyncio.ensure_future(
+            server.client.post("/v1/embed", files={"image": data}, headers={"X-Request-Timeout": "0.3"})
+        )
+        while await server.metric("vitembed_admission_total", model="tiny", outcome="admitted") < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(max(0.0, sent + 0.6 - asyncio.get_running_loop().time()))
+        held_decode.release.set()
+        expired, ok = await second, await first
+        assert ok.status_code == 200, ok.text
+        assert expired.status_code == 504, expired.text
+        assert err(expired) == {"code": "deadline_exceeded", "message": "no result within 0.3 s"}
+        assert await server.metric("vitembed_rejected_total", reason="deadline") == 1
+        # the first image's decode only
+        assert await server.metric("vitembed_stage_seconds_count", stage="decode") == decoded_before + 1
+        assert server.engine.admission.held == 0
+
+
 async def test_the_client_deadline_header_is_validated_and_honoured(
     tiny_path: Path, images: Images, err: Err
 ) -> None:
@@ -163,13 +194,13 @@ async def test_the_client_deadline_header_is_validated_and_honoured(
                 "message": "X-Request-Timeout must be a positive number of seconds, e.g. 2.5",
             }
         decoded_before = await server.metric("vitembed_stage_seconds_count", stage="decode")
-        expired = await server.client.post(
+        hopeless = await server.client.post(
             "/v1/embed", files={"image": data}, headers={"X-Request-Timeout": "0.000001"}
         )
-        assert expired.status_code == 504, expired.text
-        assert err(expired) == {"code": "deadline_exceeded", "message": "no result within 1e-06 s"}
-        # admitted (the model was idle), then dropped before its image was decoded
-        assert await server.metric("vitembed_rejected_total", reason="deadline") == 1
+        # not even an idle model can serve it by then: refused at once, nothing decoded, no 504 after work
+        assert hopeless.status_code == 429, hopeless.text
+        assert err(hopeless)["code"] == "deadline_too_short"
+        assert await server.metric("vitembed_admission_total", model="tiny", outcome="deadline") == 1
         assert await server.metric("vitembed_stage_seconds_count", stage="decode") == decoded_before
         longer = await server.client.post(  # a longer allowance than the server's is cut to the server's
             "/v1/embeddings", json={"input": images.data_uri(data)}, headers={"X-Request-Timeout": "999"}
