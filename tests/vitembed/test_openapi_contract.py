@@ -220,3 +220,83 @@ def test_infinity_modality_image_is_accepted_and_text_refused(
         "message": "modality 'text' is not served: these models embed images only; send images as "
         'data:image/...;base64, URIs with "modality": "image" (or leave modality out)',
     }
+
+
+DEADLINE_ROUTES = {
+    "POST /v1/embed",
+    "POST /v1/embeddings",
+    "POST /v1/search",
+    "POST /v1/classify",
+    "POST /v1/patch-features",
+    "POST /v1/patch-similarity",
+    "GET /v1/indexes/{index}/thumbnail",
+}
+
+
+def test_the_deadline_header_is_declared_where_it_is_honoured(
+    open_server: ServerProcess, images: Images
+) -> None:
+    """Declared on exactly the operations that read it: each of them refuses a malformed value with 422
+    ``invalid_timeout``; the others ignore the header."""
+    with open_server.client() as client:
+        schema = client.get("/openapi.json").json()
+        declared = set()
+        for path, item in schema["paths"].items():
+            for method, operation in item.items():
+                names = [p for p in operation.get("parameters", []) if p["name"] == "X-Request-Timeout"]
+                if names:
+                    (parameter,) = names
+                    assert parameter["in"] == "header" and parameter["required"] is False
+                    assert parameter["schema"] == {"type": "number", "exclusiveMinimum": 0, "examples": [2.5]}
+                    declared.add(f"{method.upper()} {path}")
+        assert declared == DEADLINE_ROUTES
+        bad = {"X-Request-Timeout": "soon"}
+        jpeg = images.jpeg()
+        answers = {
+            "POST /v1/embed": client.post("/v1/embed", files={"image": jpeg}, headers=bad),
+            "POST /v1/embeddings": client.post(
+                "/v1/embeddings", json={"input": images.data_uri(jpeg)}, headers=bad
+            ),
+            "POST /v1/search": client.post("/v1/search", files={"image": jpeg}, headers=bad),
+            "POST /v1/classify": client.post("/v1/classify", files={"image": jpeg}, headers=bad),
+            "POST /v1/patch-features": client.post("/v1/patch-features", files={"image": jpeg}, headers=bad),
+            "POST /v1/patch-similarity": client.post(
+                "/v1/patch-similarity", files={"image": jpeg}, data={"row": "0", "col": "0"}, headers=bad
+            ),
+            "GET /v1/indexes/{index}/thumbnail": client.get(
+                "/v1/indexes/photos/thumbnail", params={"id": "p0.jpg"}, headers=bad
+            ),
+        }
+        for where, response in answers.items():
+            assert response.status_code == 422, (where, response.text)
+            assert error_of(response) == {
+                "code": "invalid_timeout",
+                "message": "X-Request-Timeout must be a positive number of seconds, e.g. 2.5",
+            }, where
+        for path in ("/v1/models", "/v1/indexes", "/health"):
+            assert client.get(path, headers=bad).status_code == 200, path
+        # a valid one is honoured on a declared route: served well within it
+        assert client.post("/v1/embed", files={"image": jpeg}, headers={"X-Request-Timeout": "5"}).is_success
+
+
+def test_the_npy_answer_headers_are_declared(open_server: ServerProcess, images: Images) -> None:
+    """Every ``X-Vitembed-*`` header of a ``.npy`` answer (with a letterbox mask, so ``Valid`` too) is one
+    the 200 of ``/v1/embed`` declares, and none of them is required (the JSON answer has none)."""
+    with open_server.client() as client:
+        declared = client.get("/openapi.json").json()["paths"]["/v1/embed"]["post"]["responses"]["200"]
+        npy = client.post(
+            "/v1/embed",
+            files=[("image", images.jpeg(200, 60, 4)), ("image", images.png(56, 56, 5))],
+            data={"pooling": "patch", "policy": "pad", "size": "56,56"},
+            headers={"Accept": "application/x-npy"},
+        )
+        as_json = client.post("/v1/embed", files={"image": images.jpeg()})
+    assert npy.status_code == 200, npy.text
+    sent = {name.lower() for name in npy.headers if name.lower().startswith("x-vitembed-")}
+    names = {name.lower(): spec for name, spec in declared["headers"].items()}
+    assert "x-vitembed-valid" in sent and "x-vitembed-dim" in sent
+    assert sent == set(names)  # this answer carries every one of them
+    assert all(spec["required"] is False for spec in names.values())
+    assert as_json.status_code == 200 and not any(
+        h.lower().startswith("x-vitembed-") for h in as_json.headers
+    )

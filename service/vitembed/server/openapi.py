@@ -13,6 +13,9 @@
   ``dimensions``; the image routes take at least one (the explorer's: exactly one) image part
   (``image/*``) or JSON image, with their options typed (``openapi_bodies.py``); ``maxItems`` is the
   server's ``max_images_per_request``.
+- Every route that takes the client's shorter deadline declares the ``X-Request-Timeout`` header (a
+  positive number of seconds); ``/v1/embed``'s 200 declares the ``X-Vitembed-*`` headers of its ``.npy``
+  form.
 
 Custom string formats (``image-data-uri``, ``image-base64``) name what a generator must produce; a schema
 validator that does not know them ignores them, and the ``pattern`` beside them states the shape.
@@ -25,9 +28,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vitembed.server.deadlines import TIMEOUT_HEADER
 from vitembed.server.openapi_bodies import json_images, json_properties, typed_parameters
 from vitembed.server.routes_heads import ClassifyOptionsIn
 from vitembed.server.schemas import EmbedOptionsIn
+from vitembed.server.serialise import HEADER_PREFIX, NPY_HEADERS
 from vitembed.settings import ServiceSettings
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -81,6 +86,25 @@ _ROUTE_STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/patch-similarity"): (404, 409, 429),
     ("get", "/v1/indexes/{index}/thumbnail"): (404, 409, 422, 504),
 }
+# routes that take the client's shorter deadline (deadlines.request_deadline): X-Request-Timeout
+_DEADLINE_ROUTES = {
+    ("post", "/v1/embed"),
+    ("post", "/v1/embeddings"),
+    ("post", "/v1/search"),
+    ("post", "/v1/classify"),
+    ("post", "/v1/patch-features"),
+    ("post", "/v1/patch-similarity"),
+    ("get", "/v1/indexes/{index}/thumbnail"),
+}
+DEADLINE_PARAMETER = {
+    "name": TIMEOUT_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "this request's deadline in seconds, when shorter than the server's request_timeout_s: "
+    "what cannot be served in time is refused at once (429 deadline_too_short), work still queued at the "
+    "deadline is dropped, and an answer not ready by then is a 504; anything but a positive number is a 422",
+    "schema": {"type": "number", "exclusiveMinimum": 0, "examples": [2.5]},
+}
 # routes whose query parameters are their options as text
 _QUERY_OPTIONS: dict[str, type[BaseModel]] = {"/v1/embed": EmbedOptionsIn, "/v1/classify": ClassifyOptionsIn}
 
@@ -115,11 +139,14 @@ def make_contract(schema: dict[str, Any], settings: ServiceSettings) -> dict[str
             if not keyed:
                 operation.pop("security", None)
             _list_statuses(path, method, operation, keyed, quotas)
+            if (method, path) in _DEADLINE_ROUTES:
+                operation.setdefault("parameters", []).append(copy.deepcopy(DEADLINE_PARAMETER))
             _limit_images(operation, settings.max_images_per_request)
             if path in _QUERY_OPTIONS:
                 typed_parameters(operation.get("parameters", []), _QUERY_OPTIONS[path])
     _openai_body(components.get("schemas", {}), settings)
     _embed_bodies(schema, settings)
+    _npy_headers(schema)
     return schema
 
 
@@ -215,3 +242,19 @@ def _embed_bodies(schema: dict[str, Any], settings: ServiceSettings) -> None:
     encoded = image_in.get("properties", {}).get("base64")
     if encoded is not None:
         encoded.update(format="image-base64", minLength=1, examples=[EXAMPLE_PNG_BASE64])
+
+
+def _npy_headers(schema: dict[str, Any]) -> None:
+    """The ``X-Vitembed-*`` headers of ``/v1/embed``'s ``.npy`` answer (``Accept: application/x-npy``) on
+    its 200; not required, since the JSON answer carries the same facts in its body."""
+    ok = schema.get("paths", {}).get("/v1/embed", {}).get("post", {}).get("responses", {}).get("200")
+    if ok is None:
+        return
+    ok["headers"] = {
+        f"{HEADER_PREFIX}{name}": {
+            "description": f"with the .npy form only: {description}",
+            "required": False,
+            "schema": {"type": "string"},
+        }
+        for name, description in NPY_HEADERS.items()
+    }

@@ -86,6 +86,28 @@ def dumps(payload: Any) -> bytes:
     return out
 
 
+# the ``X-Vitembed-*`` headers of a ``.npy`` answer (``embed_npy``), as the OpenAPI document declares them:
+# a string, or a value as compact JSON (lists, numbers, true/false, null)
+NPY_HEADERS: dict[str, str] = {
+    "Model": "the served model's name",
+    "Revision": "the checkpoint's revision",
+    "Preprocess-Hash": "the hash of the preprocessing configuration",
+    "Pooling": "the pooling of the array: cls, mean, cls_mean, patch, ...",
+    "Layers": "JSON: the blocks pooled, null for the last",
+    "Normalized": "JSON: whether each vector was L2-normalised",
+    "Dtype": "the array's element type",
+    "Policy": "the resize policy",
+    "Interpolation": "the position-embedding interpolation rule",
+    "Precision": "the forward pass's precision",
+    "Preset": "the size preset, or null",
+    "Size": "JSON: [height, width] the images were resized to, or null",
+    "Precision-Cosine": "JSON: the warm-up cosine of the reduced precision against float32, or null",
+    "Dim": "the embedding width F (the array's last axis)",
+    "Grids": "JSON: each image's patch grid [h, w]",
+    "Valid": "JSON, only when some patches are padding: each image's mask as [row factors, column factors]",
+}
+
+
 def provenance(outcome: EmbedOutcome, dtype: str) -> dict[str, Any]:
     return {
         "model": outcome.model,
