@@ -2,7 +2,8 @@
 2 replicas of the tiny random-init DINOv2 behind Serve's HTTP proxy on 127.0.0.1. ``/v1/embed`` equals the
 library, error bodies equal ``vitembed serve``'s, concurrent requests are served by both replicas (the
 ``X-Vitembed-Replica`` header), and after one replica's process gets SIGKILL only requests in flight on it
-fail, each as a typed 503 (``replica_unavailable``), while the deployment keeps answering.
+fail, each as a typed 503 (``replica_unavailable``), while the deployment keeps answering. Under a flood,
+only Serve refuses (429, its backpressure) and the replica serves every request it was handed.
 
 Skipped when ray[serve] is not installed (``pip install 'vitembed[ray]'``)."""
 
@@ -236,6 +237,62 @@ def test_after_sigkill_of_a_replica_only_its_in_flight_requests_fail_as_typed_50
         assert (error.status, error.code) == (503, "replica_unavailable")
         assert error.request_id and error.retry_after == 1.0
         assert sent < kill + 5.0  # sent before the router knew of the death, not long after
+
+
+def test_under_a_flood_only_serve_refuses_and_every_admitted_request_is_served(
+    app: ServeApp, tiny_path: Path, reference: Backbone, photos: list[bytes]
+) -> None:
+    """A second app on the same cluster, one replica taking 1 ongoing request and Serve's queue 2 more, under
+    24 concurrent 8-image requests, three times: the refusals are Serve's 429 (its backpressure text, its
+    ``Retry-After``, no replica header), every request that reached the replica is a 200 with the library's
+    vectors, and the replica's own admission refused nothing (its ``/metrics``)."""
+    settings = {"models": {"tiny": str(tiny_path)}, "precision": "float32", "torch_threads": 1}
+    options = {
+        "num_replicas": 1,
+        "max_ongoing_requests": 1,
+        "max_queued_requests": 2,
+        "ray_actor_options": {"num_cpus": 0.5},
+    }
+    serve.run(deployment().options(**options).bind(settings), name="flood", route_prefix="/flood")
+    try:
+        batch = [("image", p) for p in photos[:8]]
+        expected = reference.embed(photos[:8])
+        count = 24
+        limits = httpx.Limits(max_connections=count)
+        with (
+            httpx.Client(base_url=f"{app.url}/flood", trust_env=False, timeout=60, limits=limits) as http,
+            ThreadPoolExecutor(count) as pool,
+        ):
+
+            def post(barrier: threading.Barrier) -> httpx.Response:
+                barrier.wait(30)
+                return http.post("/v1/embed", files=batch)
+
+            answers: list[httpx.Response] = []
+            for _ in range(3):
+                answers += list(pool.map(post, [threading.Barrier(count)] * count))
+            metrics = http.get("/metrics").text
+        served = [r for r in answers if REPLICA_HEADER in r.headers]
+        refused = [r for r in answers if r.status_code == 429]
+        assert len(served) + len(refused) == len(answers), [(r.status_code, r.text[:200]) for r in answers]
+        assert refused and len(served) >= 3, (len(served), len(refused))
+        for response in served:
+            assert response.status_code == 200, response.text
+            vectors = np.asarray([item["embedding"] for item in response.json()["data"]])
+            np.testing.assert_allclose(vectors, expected, atol=TOL, rtol=0)
+        for response in refused:
+            assert REPLICA_HEADER not in response.headers
+            assert response.text.startswith("Request dropped due to backpressure"), response.text
+            assert response.headers["retry-after"] == "1"
+        admission = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("vitembed_admission_total{")
+        }
+        assert admission['vitembed_admission_total{model="tiny",outcome="admitted"}'] == len(served)
+        assert sum(v for k, v in admission.items() if 'outcome="admitted"' not in k) == 0, admission
+    finally:
+        serve.delete("flood")
 
 
 def test_replica_settings_make_the_replica_admit_what_serve_hands_it() -> None:
