@@ -64,8 +64,9 @@ class Metrics:
         )
         self.admission_wait = Histogram(
             "vitembed_admission_wait_seconds",
-            "admitted requests: the wait predicted at admission and the actual one (admission to last row)",
-            ["kind"],
+            "admitted requests: the wait predicted at admission and the actual one (admission to last row), "
+            "by model",
+            ["model", "kind"],
             buckets=(*_LATENCY_BUCKETS, 20.0, 30.0, 60.0),
             registry=self.registry,
         )

@@ -318,7 +318,7 @@ class Engine:
             raise
         self.metrics.images.labels(served.name).inc(len(items))
         waited = time.monotonic() - reservation.admitted_at
-        self.metrics.admission_wait.labels("actual").observe(waited)
+        self.metrics.admission_wait.labels(served.name, "actual").observe(waited)
         served.load.settle(reservation, waited)
         self.metrics.admission_calibration.labels(served.name).set(served.load.calibration.factor)
         return list(rows)
@@ -388,7 +388,7 @@ class Engine:
             self._count_refusal(served, refused, "body")
             raise
         self.metrics.admission.labels(served.name, "admitted").inc()
-        self.metrics.admission_wait.labels("predicted").observe(reservation.predicted_wait_s)
+        self.metrics.admission_wait.labels(served.name, "predicted").observe(reservation.predicted_wait_s)
         return reservation
 
     def _budget(self, ticket: RequestTicket) -> float:
