@@ -56,8 +56,7 @@ def select(names: str | None, repeats: int = 1) -> list[tuple[str, int]]:
     the list repeated as a whole so that a scenario's plays are spread over the block."""
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, not {repeats}")
-    chosen = list(SCENARIOS) if names is None else [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in chosen if n not in SCENARIOS]
+    chosen, unknown = (list(SCENARIOS), []) if names is None else _split(names)
     if unknown or not chosen:
         raise ValueError(
             f"unknown scenario(s) {unknown or [names]}: choose from " + ", ".join(repr(s) for s in SCENARIOS)
@@ -67,9 +66,22 @@ def select(names: str | None, repeats: int = 1) -> list[tuple[str, int]]:
     return [(name, play) for play in range(repeats) for name in chosen]
 
 
+def _split(names: str) -> tuple[list[str], list[str]]:
+    """(known names, unknown pieces) of a comma-separated list whose names may hold commas themselves
+    ("16C leave, then C (recovery)"): pieces are joined until they make a known name."""
+    chosen: list[str] = []
+    pending = ""
+    for piece in names.split(","):
+        pending = f"{pending},{piece}" if pending else piece
+        if pending.strip() in SCENARIOS:
+            chosen.append(pending.strip())
+            pending = ""
+    return chosen, [pending.strip()] if pending.strip() else []
+
+
 def select_blocks(names: Sequence[str] | None) -> list[bool]:
     """The blocks to run, as ``with_neighbour`` flags, quiet first."""
-    chosen = list(BLOCKS) if not names else list(names)
+    chosen = list(BLOCKS) if not names else [n.strip() for n in names if n.strip()]
     unknown = [n for n in chosen if n not in BLOCKS]
     if unknown:
         raise ValueError(f"unknown block(s) {unknown}: choose from {', '.join(BLOCKS)}")

@@ -27,6 +27,14 @@ def test_repeats_spread_the_plays_over_the_block() -> None:
     ]
 
 
+def test_names_holding_commas_are_selected_whole() -> None:
+    assert select("16C leave, then C (recovery),open loop 2x, 16C then C (recovery)") == [
+        ("16C leave, then C (recovery)", 0),
+        ("open loop 2x", 0),
+        ("16C then C (recovery)", 0),
+    ]
+
+
 @pytest.mark.parametrize(
     ("names", "repeats", "message"),
     [
@@ -46,6 +54,7 @@ def test_blocks() -> None:
     assert select_blocks(None) == [False, True]
     assert select_blocks(["busy"]) == [True]
     assert select_blocks(["busy", "quiet"]) == [False, True]  # quiet first, whatever the order asked
+    assert select_blocks(["quiet", " busy"]) == [False, True]
     with pytest.raises(ValueError, match=r"unknown block\(s\) \['noisy'\]: choose from quiet, busy"):
         select_blocks(["noisy"])
 

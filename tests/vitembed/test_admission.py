@@ -67,18 +67,6 @@ def test_an_idle_model_admits_any_request_the_hard_cap_allows() -> None:
     assert rule(images=64, held_images=200, capacity_images=256).reason == QUEUE_FULL
 
 
-def test_an_idle_model_refuses_a_request_that_cannot_be_done_by_its_deadline_even_alone() -> None:
-    # 64 x 0.25 s = 16 s of its own work on a 10 s deadline: refused at once, not run into a 504
-    alone = rule(images=64, per_image_s=0.25, deadline_left_s=10.0)
-    assert alone == Decision(False, DEADLINE, 16.0, 6.0, 2.0)
-    # the batch timer counts: 1 image (0.125 s) after a 5 ms timer on a 0.1 s deadline
-    assert rule(deadline_left_s=0.1, batch_wait_s=0.005).reason == DEADLINE
-    assert rule(deadline_left_s=0.13, batch_wait_s=0.005).admitted
-    # nothing measured yet (per_image_s 0): only the batch timer is known
-    assert rule(per_image_s=0.0, deadline_left_s=0.001, batch_wait_s=0.005).reason == DEADLINE
-    assert rule(per_image_s=0.0, deadline_left_s=0.01, batch_wait_s=0.005).admitted
-
-
 def test_large_requests_are_charged_half_the_target_so_they_cannot_take_the_whole_queue() -> None:
     # 64 images x 0.125 s = 8 s of work: admitted only while at most half the target (1 s) is queued ahead
     assert rule(images=64, ahead_s=1.0) == Decision(True, ADMITTED, 9.0, 0.0, 2.0)
@@ -396,13 +384,13 @@ def test_a_full_check_does_not_count_places_leased_to_heads_still_sending_their_
 
 
 def test_places_leased_on_heads_keep_the_model_from_looking_idle() -> None:
-    """An idle model admits any request the hard cap allows, even 8 s of work over a 1 s target; a model
+    """An idle model admits any request the hard cap allows, even 8 s of work on a 5 s deadline; a model
     whose only work is places leased on heads is not idle: the same body is judged like any other."""
     clock = [100.0]
     control = AdmissionControl(capacity=256, target_s=1.0, spread_retries=False, clock=lambda: clock[0])
     load = control.model("m")
     load.observe(tokens=100, images=8, seconds=1.0)  # 0.125 s per image: 64 images are 8 s of work
-    idle = load.admit(64, 100, 30.0)
+    idle = load.admit(64, 100, 5.0)
     assert idle.predicted_wait_s == 8.0
     idle.release()
     for _ in range(4):

@@ -96,17 +96,14 @@ def decide(
     if held_images + room > capacity_images:
         excess = held_images + room - capacity_images
         return Decision(False, QUEUE_FULL, predicted, excess * per_image_s, limit)
-    if ahead_s <= 0.0 if idle is None else idle:  # an idle model takes any request the hard cap allows,
-        # over the target too (or a large one could never get in), but not one that cannot be done by its
-        # deadline even alone: that would end in a 504 after the work, and waiting will not help it
-        if predicted > deadline_left_s:
-            return Decision(False, DEADLINE, predicted, predicted - deadline_left_s, limit)
+    if ahead_s <= 0.0 if idle is None else idle:  # an idle model takes whatever the hard cap allows; its
+        # deadline decides the rest
         return Decision(True, ADMITTED, predicted, 0.0, limit)
     charged = ahead_s + min(own_s, target_s / 2) + batch_tail_s
     if charged > target_s:
         return Decision(False, QUEUE_DELAY, predicted, charged - target_s, limit)
-    if predicted > deadline_left_s:
-        return Decision(False, DEADLINE, predicted, predicted - deadline_left_s, limit)
+    if predicted > deadline_left_s:  # the deadline, not the target, is what it is refused against
+        return Decision(False, DEADLINE, predicted, predicted - deadline_left_s, deadline_left_s)
     return Decision(True, ADMITTED, predicted, 0.0, limit)
 
 

@@ -101,8 +101,9 @@ DEADLINE_PARAMETER = {
     "in": "header",
     "required": False,
     "description": "this request's deadline in seconds, when shorter than the server's request_timeout_s: "
-    "what cannot be served in time is refused at once (429 deadline_too_short), work still queued at the "
-    "deadline is dropped, and an answer not ready by then is a 504; anything but a positive number is a 422",
+    "an answer not ready by then is a 504 and work still queued at the deadline is dropped; where images "
+    "are admitted, a request that cannot be served in time behind the queued work is refused at once (429 "
+    "deadline_too_short); anything but a positive number is a 422",
     "schema": {"type": "number", "exclusiveMinimum": 0, "examples": [2.5]},
 }
 # routes whose query parameters are their options as text
