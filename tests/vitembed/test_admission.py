@@ -67,6 +67,13 @@ def test_an_idle_model_admits_any_request_the_hard_cap_allows() -> None:
     assert rule(images=64, held_images=200, capacity_images=256).reason == QUEUE_FULL
 
 
+def test_a_deadline_refusal_is_measured_against_the_deadline_not_the_target() -> None:
+    # 24 images x 0.125 s = 3 s of work behind 0.5 s: charged 0.5 + 1 s (half the 2 s target), within it, but
+    # predicted 3.5 s on a 3 s deadline; the limit it names is the deadline's 3 s, not the target's 2 s
+    refused = rule(images=24, ahead_s=0.5, deadline_left_s=3.0)
+    assert refused == Decision(False, DEADLINE, 3.5, 0.5, 3.0)
+
+
 def test_large_requests_are_charged_half_the_target_so_they_cannot_take_the_whole_queue() -> None:
     # 64 images x 0.125 s = 8 s of work: admitted only while at most half the target (1 s) is queued ahead
     assert rule(images=64, ahead_s=1.0) == Decision(True, ADMITTED, 9.0, 0.0, 2.0)
