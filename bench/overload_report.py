@@ -39,8 +39,7 @@ def repeated(scenarios: list[dict[str, Any]]) -> list[str]:
         if len(runs) < 2:
             continue
         fractions = [r["fraction"] for r in runs]
-        settled = [r.get("p99_429_settled_ms", math.nan) for r in runs]
-        settled_known = [v for v in settled if not math.isnan(v)]
+        settled_known = [v for r in runs if not math.isnan(v := r.get("p99_429_settled_ms", math.nan))]
         lines.append(
             f"- {name}, {'busy' if busy else 'quiet'}, {len(runs)} plays: goodput ÷ capacity beside mean "
             f"**{statistics.fmean(fractions):.0%}** (min {min(fractions):.0%}, max {max(fractions):.0%}; "
@@ -62,7 +61,7 @@ def table_row(s: dict[str, Any], repeats: int = 1) -> str:
         recovery += f" (server {s['extra']['server_after_stop']:.0%} in the 5 s after the stop)"
     if s["extra"].get("abandoned"):
         recovery += f"; {s['extra']['abandoned']} requests dropped by their callers at the stop"
-    play = f" (play {s['extra']['play'] + 1})" if s["extra"].get("play") or repeats > 1 else ""
+    play = f" (play {s['extra'].get('play', 0) + 1})" if repeats > 1 else ""
     cells = (
         f"{s['scenario']}{play}{recovery}",
         "busy" if s["neighbour"] else "quiet",
