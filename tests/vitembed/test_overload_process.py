@@ -95,7 +95,11 @@ def test_a_flood_far_above_capacity_gets_429s_and_admitted_requests_finish_in_ti
     assert set(statuses) <= {200, 429}, statuses  # no 504, no 5xx
     ok = [a for a in answers if a.status == 200]
     refused = [a for a in answers if a.status == 429]
-    assert ok and len(refused) > len(ok), (len(ok), len(refused))
+    # a flood, refused rather than queued: 32 clients are more than the 1 s target admits at once. Not a
+    # ratio of refusals to 200s: the server holds a refused client's next request until its Retry-After
+    # (1 s or more), so the refusals are bounded by clients x flood / hold, not by the offered load, while
+    # the 200s follow the VM's speed (a clean-clone CI run on a fast host: 84 of each)
+    assert ok and len(refused) >= CLIENTS // 2, (len(ok), len(refused))
     for answer in refused:
         assert answer.retry_after is not None and answer.retry_after.isdigit(), answer
         assert int(answer.retry_after) >= 1
