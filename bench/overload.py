@@ -105,7 +105,7 @@ class Summary:
     p99_429_ms: float  # of requests sent in time (not before their connection's last Retry-After)
     p99_429_early_ms: float  # of requests sent early (held by a server that enforces Retry-After)
     # of requests sent in time once the first RAMP_S of the window had passed: at the start every closed-loop
-    # client opens its connection and sends its first 200 kB body in the same instant
+    # client opens its connection and sends its first 276 kB body in the same instant
     p99_429_settled_ms: float
     n_early: int  # requests sent early
     p99_ok_in_time_s: float  # admitted requests that were sent in time

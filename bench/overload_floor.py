@@ -1,8 +1,8 @@
 """The floor under the overload bench's opening storm: how fast can any server answer it on this machine?
 
 At the start of a closed-loop scenario of ``bench/overload.py`` every client connects and sends its first
-200 kB request in the same instant, and the 429 latency is measured from each request's start. Part of that
-time is the load generator's own (256 connections opened and 51 MB written by one asyncio process) and the
+276 kB request in the same instant, and the 429 latency is measured from each request's start. Part of that
+time is the load generator's own (256 connections opened and 71 MB written by one asyncio process) and the
 kernel's, on the same 2 cores as the server. This bench measures that part: the same load generator and
 payloads against a server that does nothing but answer every request ``429`` from its head (and read and
 drop the body, as ``vitembed serve`` does to keep the connection), in a process of its own (uvloop, as

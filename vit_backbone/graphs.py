@@ -3,7 +3,7 @@
 Why: an eager forward pass takes the GIL back after every torch op (~300 per pass of DINOv2-S), so any
 other Python thread of the process (a server's event loop, its decode workers) stalls it; and two eager
 passes in two threads mostly wait for each other. A traced, frozen graph runs all its ops in C++ with the
-GIL released. Measured on 2 cores (README, overload): two graphs side by side with one torch thread each
+GIL released. Measured on 2 cores (README, "Engine"): two graphs side by side with one torch thread each
 served 92 images/s against 72 for one eager pass with two threads, and beside a Python thread holding the
 GIL 30 % of the time 84 against 48, because one core's stall no longer stops the other at an OpenMP
 barrier.

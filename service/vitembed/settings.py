@@ -36,7 +36,7 @@ class ServiceSettings(BaseSettings):
     # images (8 beat 16 there by 3 % model-only on this 2-core CPU; a checkpoint with registers or DINOv3's
     # patch 16 has other token counts: 7 or 10 per pass), sixteen of the default preset's mirrored 98-px box
     # (16 beat 8 by 7 % model-only and served ~15 % more under load: fewer GIL hand-offs per image, README
-    # overload), one image at 518 px (not measured against 8: attention dominates there)
+    # "Engine"), one image at 518 px (not measured against 8: attention dominates there)
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_tokens: int = Field(8 * 257, ge=1)
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)
@@ -75,7 +75,7 @@ class ServiceSettings(BaseSettings):
     # forward threads per model; 0 = auto: on the CPU with graphs, one per usable CPU up to 4, each with
     # (CPUs / threads) torch threads (2 cores: 2 threads of 1: 92 images/s model-only against 72 for one
     # thread of 2, and no OpenMP barrier between the cores for another thread's work to stall; README,
-    # overload); otherwise 1
+    # "Engine"); otherwise 1
     forward_workers: int = Field(0, ge=0, le=64)
     # the forward threads' nice value above the process's (Linux): with no other process on the machine, 10
     # halved the 429 p99 under overload at the same goodput, but beside a process spinning on one core the
@@ -90,7 +90,7 @@ class ServiceSettings(BaseSettings):
     # how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval). The
     # forward thread takes the GIL back after every torch op; under overload the event loop holds it answering
     # refusals, and at Python's default 5 ms each re-take can wait that long: a forward pass measured 2.1 s
-    # instead of 0.65 s beside a busy Python thread, 0.78 s at 0.5 ms (README, overload)
+    # instead of 0.65 s beside a busy Python thread, 0.78 s at 0.5 ms (README, "Admission and safety")
     gil_switch_interval_ms: float = Field(0.5, gt=0, le=100)
     # freeze the start-up heap out of the cyclic GC's reach once the app is ready: a full collection walks
     # it holding the GIL (~0.1 s on 2 cores), which stalls the event loop and the forward thread alike
@@ -100,7 +100,8 @@ class ServiceSettings(BaseSettings):
     # default: 700; 0 keeps Python's). Under overload the live set is large (hundreds of requests in flight
     # and connections held), so each collection of an older generation walks it: at 700 the open loop spent
     # 0.034 cores in GC pauses (49 generation-1 pauses of ~8 ms and 4 generation-2 pauses of ~35 ms per
-    # 20 s), at 10,000 0.008 cores (7-9 young pauses of 12-25 ms, no older ones) (README, overload)
+    # 20 s), at 10,000 0.008 cores (7-9 young pauses of 12-25 ms, no older ones)
+    # (bench/results/overload-history.md)
     gc_young_threshold: int = Field(10_000, ge=0)
 
     # limits

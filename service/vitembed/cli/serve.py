@@ -174,7 +174,8 @@ def passive_openmp() -> None:
     """``OMP_WAIT_POLICY=PASSIVE`` unless the operator set one; read once, when torch's OpenMP starts, so
     before torch is imported. OpenMP threads otherwise spin at every barrier: beside the server's own event
     loop, its load or a neighbour on the same cores, a spinning thread holds a core another thread needs
-    (a batch of 4, 2 torch threads, beside a busy process: 3.5 s active, 1.3 s passive; README, overload)."""
+    (a batch of 4, 2 torch threads, beside a busy process: 3.5 s active, 1.3 s passive; README, "Admission
+    and safety")."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

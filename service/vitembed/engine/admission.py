@@ -25,8 +25,8 @@ will take its decode's CPU time from the cores the forward pass runs on, so the 
 workers that find no core torch leaves free: ``served_model.ingest_share``). The throughput estimate,
 measured in a steady flow, holds the decode of a steady flow (the few images of that flow still to be
 decoded are charged again: measured, it cost no goodput); a flood's opening burst leases hundreds of
-places before any body is read, and the first answer left ~0.45 s later (README, overload): the burst's
-requests overshot the target by that much.
+places before any body is read, and the first answer left ~0.45 s later
+(bench/results/overload-history.md): the burst's requests overshot the target by that much.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ ESTIMATE_KEYS = 64  # token counts remembered per model (least recently observed
 # fixed costs (decode, the response) to say how far the forward-pass estimate is off
 CALIBRATION_MIN_PREDICTED_S = 0.5
 # the factor tracks this quantile of actual / predicted: the admitted p99 is what must stay within the target
-# (A/B, README overload: 0.9 lowered the admitted p99 of requests sent in time at no cost in goodput; 0.95
-# lowered it more but cost a fifth of the goodput at 256 clients: a shorter queue fills smaller batches)
+# (A/B of 63a9ee4, bench/results/overload-history.md: 0.9 lowered the admitted p99 of requests sent in time
+# at no cost in goodput; 0.95 lowered it more but cost a fifth of the goodput at 256 clients: a shorter queue
+# fills smaller batches)
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_STEP = 0.05  # relative change of the factor per request that waited longer than it predicted
 # how far the factor may scale predictions down and up. Never down: a calm spell (the forward thread alone
@@ -80,9 +81,9 @@ class WaitCalibration:
 
     The estimate times forward passes only. Under a flood the same machine also decodes, answers
     refusals on the event loop and may share its cores with a neighbour, so a request admitted on a 2 s
-    prediction waited 3-5 s (README, overload). The ratio is measured per request, from admission to its
-    last row, against the prediction before calibration (so the factor does not chase itself), and only
-    for requests predicted to wait at least ``min_predicted_s``.
+    prediction waited 3-5 s (bench/results/overload-history.md). The ratio is measured per request, from
+    admission to its last row, against the prediction before calibration (so the factor does not chase
+    itself), and only for requests predicted to wait at least ``min_predicted_s``.
 
     A quantile, not the mean: with the mean, half the requests admitted at the edge of the queue waited
     longer than the target, and the admitted p99 is what the target promises. Each ratio above the factor

@@ -3,9 +3,10 @@
 libuv, under uvloop, takes one connection per wake-up of the listening socket (since its 1.45 release:
 "don't accept() connections in a loop"). While the event loop reads request bodies, a flood's new
 connections then wait in the kernel's accept queue, and every answer to them, the cheap 429 on the head
-included, starts that late. Measured (README, "Where the storm's time goes"): 512 clients joining over one
-second waited a median 101–223 ms to be accepted while the loop's own lag stayed under 20 ms. asyncio's
-loop takes up to the backlog per wake-up, but spends ~25 % more event-loop CPU on every request.
+included, starts that late. Measured (bench/results/overload-history.md, "Where the storm's time goes"):
+512 clients joining over one second waited a median 101–223 ms to be accepted while the loop's own lag
+stayed under 20 ms. asyncio's loop takes up to the backlog per wake-up, but spends ~25 % more event-loop CPU
+on every request.
 
 ``GreedyAcceptServer`` keeps uvloop and listens with a reader of its own (``Acceptor``): every waiting
 connection, up to ``MAX_ACCEPTS_PER_WAKE``, per wake-up, each handed to the loop with
