@@ -1,9 +1,9 @@
 """The server's own accept loop (``vitembed.server.acceptor``): one wake-up of the listening socket takes
 every connection waiting in the kernel's queue (libuv takes one), each accepted connection is a working
 transport with TCP_NODELAY, running out of file descriptors pauses accepting and then resumes it while a
-connection's own accept error does not, connections accepted as a shutdown begins are shut down, and
-uvicorn's server listens through it on uvloop (its own listener elsewhere), failing with uvicorn's status 3
-when the port is taken."""
+connection's own accept error does not, connections accepted as a shutdown begins are shut down, and so are
+those still in the kernel's queue when it stops listening (taken, not reset), and uvicorn's server listens
+through it on uvloop (its own listener elsewhere), failing with uvicorn's status 3 when the port is taken."""
 
 from __future__ import annotations
 
@@ -162,6 +162,30 @@ def test_connections_accepted_as_a_shutdown_begins_are_shut_down() -> None:
         assert all(p.shut_down for p in made)
         for client in clients:
             client.close()
+
+    uvloop.run(main())
+
+
+def test_connections_still_in_the_kernels_queue_when_it_stops_are_taken_and_shut_down() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = _listening_socket(socket.AF_INET, ("127.0.0.1", 0), 128)
+        port = listener.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]  # queued, not accepted
+        for index, client in enumerate(clients):
+            client.sendall(b"request %d" % index)
+        made: list[Recorder] = []
+        acceptor = Acceptor(loop, listener, lambda: Recorder(made))
+        acceptor.start()
+        acceptor.close()  # before the loop ran its reader: closing the listener over them would reset them
+        await until(lambda: len(made) == 8 and all(p.received for p in made))
+        assert acceptor.wakes == 0
+        assert all(p.shut_down for p in made)  # each then answers what it was sent (test_drain.py)
+        assert sorted(p.received for p in made) == sorted(b"request %d" % i for i in range(8))
+        for client in clients:
+            client.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
 
     uvloop.run(main())
 

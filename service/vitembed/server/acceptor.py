@@ -33,6 +33,8 @@ from uvicorn.config import STARTUP_FAILURE
 log = logging.getLogger("uvicorn.error")
 
 MAX_ACCEPTS_PER_WAKE = 256
+# the most connections taken from the kernel's queue as the server stops listening (uvicorn's backlog: 2048)
+MAX_TAKEN_AT_CLOSE = 4096
 # out of file descriptors or memory: accepting pauses this long instead of spinning on the error (as
 # asyncio's loop does); any other accept error is the waiting connection's own, and the next one is taken
 ACCEPT_RETRY_S = 0.5
@@ -85,14 +87,17 @@ class Acceptor:
                 self.loop.remove_reader(self.sock.fileno())
                 self._retry = self.loop.call_later(ACCEPT_RETRY_S, self.start)
                 return
-            try:
-                conn.setblocking(False)
-                task = self.loop.create_task(self._hand_over(conn))
-            except Exception:
-                conn.close()
-                raise
-            self._handing.add(task)
-            task.add_done_callback(self._handing.discard)
+            self._start_hand_over(conn)
+
+    def _start_hand_over(self, conn: socket.socket) -> None:
+        try:
+            conn.setblocking(False)
+            task = self.loop.create_task(self._hand_over(conn))
+        except Exception:
+            conn.close()
+            raise
+        self._handing.add(task)
+        task.add_done_callback(self._handing.discard)
 
     async def _hand_over(self, conn: socket.socket) -> None:
         """The connection to the loop as a transport with the server's protocol (uvloop sets TCP_NODELAY on
@@ -110,17 +115,31 @@ class Acceptor:
                 shutdown()
 
     def close(self) -> None:
+        """Stop listening. The connections already in the kernel's queue are taken first and handed over
+        (then shut down, which answers a request they have sent): their clients connected before the
+        shutdown, and closing the listener over them would reset them with their requests unanswered."""
         if self._closed:
             return
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
         self.loop.remove_reader(self.sock.fileno())
+        for _ in range(MAX_TAKEN_AT_CLOSE):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno in OUT_OF_RESOURCES:
+                    log.warning("%s: connections still queued are reset as the server stops", exc)
+                    break
+                continue  # this connection's own failure
+            self._start_hand_over(conn)
         self.sock.close()
 
     async def wait_closed(self) -> None:
         """Nothing to wait for once ``close`` ran: no connection is accepted after it, and the connections
-        being handed over then are shut down as they start."""
+        being handed over then (those taken from the queue included) are shut down as they start."""
         return None
 
 

@@ -21,9 +21,12 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import select
+import struct
+import termios
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -132,6 +135,18 @@ def peer_closed(transport: asyncio.BaseTransport) -> bool:
         return False
 
 
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for a connection that the loop has not read yet (0 where the socket cannot be
+    asked)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+    except (OSError, ValueError):
+        return 0
+
+
 def retry_after_of(response: bytes) -> float:
     """The seconds a raw HTTP answer's ``retry-after`` header names (0 without one)."""
     head = response.partition(b"\r\n\r\n")[0].lower()
@@ -183,6 +198,7 @@ def header_timeout_protocol(
         _body_left: int | None = None  # bytes of a refused request's body still to come (Content-Length)
         _told_until: float = 0.0  # loop time the last Retry-After on this connection named
         _gated_scope: dict[str, Any] | None = None  # the request the gate let through with scope entries
+        _draining = False  # the server shuts down: the request begun here is answered, then it closes
 
         def _gated_request_done(self) -> None:
             scope, self._gated_scope = self._gated_scope, None
@@ -238,6 +254,25 @@ def header_timeout_protocol(
             for chunk in held:  # a chunk that starts another early request is held again
                 self.data_received(chunk)
 
+        def shutdown(self) -> None:
+            """The server's graceful shutdown. uvicorn closes a connection with no request in progress at
+            once; one whose next request has begun to arrive (a head partly parsed, an early request held,
+            a refused body still coming, or bytes the loop has not read yet) has it answered first and
+            closes after: its client sent it before the listener closed and gets an answer, not a reset."""
+            idle = self.cycle is None or self.cycle.response_complete
+            begun = self._head_begun or self._held is not None or self._discarding
+            if not idle or self.transport.is_closing() or not (begun or unread_bytes(self.transport) > 0):
+                super().shutdown()
+                return
+            self._draining = True
+            self._unset_keepalive_if_required()
+            if self._held is not None:  # no Retry-After to wait out any more: judged now
+                if self._release_timer is not None:
+                    self._release_timer.cancel()
+                self._release_held()
+            else:
+                self.flow.resume_reading()
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm_head_timer()
@@ -260,6 +295,8 @@ def header_timeout_protocol(
             if gate is not None and self._answered_on_head():
                 return
             super().on_headers_complete()
+            if self._draining and self.cycle is not None:
+                self.cycle.keep_alive = False  # answered with "connection: close", then closed
 
         def _answered_on_head(self) -> bool:
             assert gate is not None
@@ -338,7 +375,7 @@ def header_timeout_protocol(
             self._discarding = False
             self._body_left = None
             self._write_pending_answer()
-            if self._close_after:
+            if self._close_after or self._draining:
                 self.transport.close()
             elif not self.transport.is_closing():
                 self._arm_keep_alive()

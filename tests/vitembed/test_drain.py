@@ -1,0 +1,115 @@
+"""A graceful shutdown answers every request a client had begun to send (``connection_limits``'s protocol,
+``shutdown``): uvicorn closes at once a connection with no request in progress, so a request whose head was
+half parsed, or whose bytes the event loop had not read yet, was cut off with no answer (a client that
+connected and sent before the listener closed then saw the connection reset). Such a request is answered
+with ``connection: close`` and the connection closed after it; a connection that sent nothing is still
+closed at once. The server is uvicorn with the server's protocol and accept loop, on a thread, on uvloop."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+from threaded_server import running_on_a_thread
+from vitembed.server.acceptor import Acceptor, GreedyAcceptServer
+from vitembed.server.connection_limits import header_timeout_protocol
+
+pytest.importorskip("uvloop")
+pytest.importorskip("httptools")
+
+REQUEST_HEAD = b"GET / HTTP/1.1\r\nHost: test\r\n"
+
+
+async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+@contextmanager
+def serving() -> Iterator[tuple[GreedyAcceptServer, int]]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    protocol = header_timeout_protocol(10.0, gate=None)
+    if protocol is None:
+        pytest.fail("httptools is a dependency of the server")
+    config = uvicorn.Config(
+        hello, host="127.0.0.1", port=port, loop="uvloop", http=protocol, log_level="warning"
+    )
+    with running_on_a_thread(GreedyAcceptServer(config), timeout_s=10) as server:
+        yield server, port
+
+
+def only_connection(server: GreedyAcceptServer) -> Any:
+    until(lambda: len(server.server_state.connections) == 1)
+    return next(iter(server.server_state.connections))
+
+
+def shut_down(server: GreedyAcceptServer) -> None:
+    """Begin the graceful shutdown and wait until the server has closed its listener and asked every
+    connection to shut down (uvicorn does both in one step)."""
+    server.should_exit = True
+    until(lambda: isinstance(server.servers[0], Acceptor) and server.servers[0]._closed)
+    time.sleep(0.1)
+
+
+def answer_until_closed(sock: socket.socket) -> bytes:
+    sock.settimeout(5)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_request_head_begun_before_the_shutdown_is_answered_then_the_connection_closes() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(REQUEST_HEAD)  # the head, all but its last line
+        connection = only_connection(server)
+        until(lambda: connection._head_begun)
+        shut_down(server)
+        sock.sendall(b"\r\n")
+        answer = answer_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+    assert answer.endswith(b"\r\n\r\nok")
+
+
+def test_a_request_the_loop_had_not_read_at_the_shutdown_is_answered() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        connection = only_connection(server)
+        # the loop does not read it before the shutdown, as when both happen in the same pass
+        connection.loop.call_soon_threadsafe(connection.flow.pause_reading)
+        until(lambda: connection.flow.read_paused)
+        sock.sendall(REQUEST_HEAD + b"\r\n")
+        time.sleep(0.1)  # in the kernel's buffer, unread
+        shut_down(server)
+        answer = answer_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
+def test_a_connection_that_sent_nothing_is_closed_at_once() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        only_connection(server)
+        began = time.monotonic()
+        shut_down(server)
+        assert answer_until_closed(sock) == b""
+        assert time.monotonic() - began < 2.0
