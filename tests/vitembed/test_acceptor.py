@@ -178,7 +178,9 @@ def test_connections_still_in_the_kernels_queue_when_it_stops_are_taken_and_shut
         acceptor = Acceptor(loop, listener, lambda: Recorder(made))
         acceptor.start()
         acceptor.close()  # before the loop ran its reader: closing the listener over them would reset them
-        await until(lambda: len(made) == 8 and all(p.received for p in made))
+        await acceptor.handed_over()  # what the server's shutdown awaits before it waits for connections
+        assert len(made) == 8
+        await until(lambda: all(p.received for p in made))
         assert acceptor.wakes == 0
         assert all(p.shut_down for p in made)  # each then answers what it was sent (test_drain.py)
         assert sorted(p.received for p in made) == sorted(b"request %d" % i for i in range(8))

@@ -1,9 +1,11 @@
-"""A graceful shutdown answers every request a client had begun to send (``connection_limits``'s protocol,
+"""A graceful shutdown answers every request a client had begun to send (``connection_protocol``,
 ``shutdown``): uvicorn closes at once a connection with no request in progress, so a request whose head was
 half parsed, or whose bytes the event loop had not read yet, was cut off with no answer (a client that
 connected and sent before the listener closed then saw the connection reset). Such a request is answered
-with ``connection: close`` and the connection closed after it; a connection that sent nothing is still
-closed at once. The server is uvicorn with the server's protocol and accept loop, on a thread, on uvloop."""
+with ``connection: close`` and the connection closed after it. A connection that has not sent its first
+request gets ``FIRST_REQUEST_GRACE_S`` to send it; one that has served requests and sent nothing more, or
+whose unread bytes are no request, is closed at once. The server is uvicorn with the server's protocol and
+accept loop, on a thread, on uvloop."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import uvicorn
 from threaded_server import running_on_a_thread
 from vitembed.server.acceptor import Acceptor, GreedyAcceptServer
-from vitembed.server.connection_limits import header_timeout_protocol
+from vitembed.server.connection_protocol import FIRST_REQUEST_GRACE_S, header_timeout_protocol
 
 pytest.importorskip("uvloop")
 pytest.importorskip("httptools")
@@ -63,12 +65,21 @@ def only_connection(server: GreedyAcceptServer) -> Any:
     return next(iter(server.server_state.connections))
 
 
-def shut_down(server: GreedyAcceptServer) -> None:
-    """Begin the graceful shutdown and wait until the server has closed its listener and asked every
-    connection to shut down (uvicorn does both in one step)."""
+def shut_down(server: GreedyAcceptServer, connection: Any) -> None:
+    """Begin the graceful shutdown and wait until the server has closed its listener and asked
+    ``connection`` to shut down (uvicorn does both in one step)."""
     server.should_exit = True
     until(lambda: isinstance(server.servers[0], Acceptor) and server.servers[0]._closed)
-    time.sleep(0.1)
+    until(lambda: connection._draining or connection.transport.is_closing())
+
+
+def one_request(sock: socket.socket) -> bytes:
+    """A keep-alive request and its whole answer (the app's body is 2 bytes)."""
+    sock.sendall(REQUEST_HEAD + b"\r\n")
+    answer = b""
+    while not answer.endswith(b"\r\n\r\nok"):
+        answer += sock.recv(65536)
+    return answer
 
 
 def answer_until_closed(sock: socket.socket) -> bytes:
@@ -84,7 +95,7 @@ def test_a_request_head_begun_before_the_shutdown_is_answered_then_the_connectio
         sock.sendall(REQUEST_HEAD)  # the head, all but its last line
         connection = only_connection(server)
         until(lambda: connection._head_begun)
-        shut_down(server)
+        shut_down(server, connection)
         sock.sendall(b"\r\n")
         answer = answer_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -100,16 +111,50 @@ def test_a_request_the_loop_had_not_read_at_the_shutdown_is_answered() -> None:
         until(lambda: connection.flow.read_paused)
         sock.sendall(REQUEST_HEAD + b"\r\n")
         time.sleep(0.1)  # in the kernel's buffer, unread
-        shut_down(server)
+        shut_down(server, connection)
         answer = answer_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"\r\nconnection: close\r\n" in answer.lower()
 
 
-def test_a_connection_that_sent_nothing_is_closed_at_once() -> None:
+def test_a_first_request_sent_just_after_the_shutdown_began_is_answered() -> None:
     with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
-        only_connection(server)
+        connection = only_connection(server)
+        shut_down(server, connection)  # connected before the listener closed, not sent yet
+        sock.sendall(REQUEST_HEAD + b"\r\n")
+        answer = answer_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_after_its_grace() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        connection = only_connection(server)
         began = time.monotonic()
-        shut_down(server)
+        shut_down(server, connection)
         assert answer_until_closed(sock) == b""
-        assert time.monotonic() - began < 2.0
+        assert FIRST_REQUEST_GRACE_S - 0.2 < time.monotonic() - began < FIRST_REQUEST_GRACE_S + 2.0
+
+
+def test_a_connection_that_served_requests_and_sent_nothing_more_is_closed_at_once() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        assert one_request(sock).startswith(b"HTTP/1.1 200 OK\r\n")
+        connection = only_connection(server)
+        began = time.monotonic()
+        shut_down(server, connection)
+        assert answer_until_closed(sock) == b""
+        assert time.monotonic() - began < FIRST_REQUEST_GRACE_S
+
+
+def test_unread_bytes_that_are_no_request_do_not_hold_the_shutdown() -> None:
+    with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        assert one_request(sock).startswith(b"HTTP/1.1 200 OK\r\n")
+        connection = only_connection(server)
+        connection.loop.call_soon_threadsafe(connection.flow.pause_reading)
+        until(lambda: connection.flow.read_paused)
+        sock.sendall(b"\r\n")  # an empty line between requests: read, and no request begins
+        time.sleep(0.1)
+        began = time.monotonic()
+        shut_down(server, connection)
+        assert answer_until_closed(sock) == b""
+        assert time.monotonic() - began < FIRST_REQUEST_GRACE_S

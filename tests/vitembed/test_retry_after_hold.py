@@ -1,6 +1,6 @@
 """``enforce_retry_after``: a connection refused on its request head is read again only once its
 ``Retry-After`` has passed. A real uvicorn server on 127.0.0.1 with the serving protocol
-(``connection_limits.header_timeout_protocol``) and a gate that refuses requests marked ``x-refuse``; the
+(``connection_protocol.header_timeout_protocol``) and a gate that refuses requests marked ``x-refuse``; the
 clients are raw sockets, so the timings are the server's. Lower bounds are the timer's (robust); upper
 bounds are generous for a VM whose speed drifts."""
 
@@ -18,7 +18,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 from threaded_server import running_on_a_thread
 from vitembed.metrics import Metrics
-from vitembed.server.connection_limits import (
+from vitembed.server.connection_protocol import (
     ANSWER_WAIT_S,
     header_timeout_protocol,
     peer_closed,

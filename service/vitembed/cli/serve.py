@@ -208,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from vitembed.engine.priority import raise_calling_thread, start_libuv_pool
         from vitembed.server.acceptor import run_server
         from vitembed.server.app import create_app
-        from vitembed.server.connection_limits import header_timeout_protocol
+        from vitembed.server.connection_protocol import header_timeout_protocol
     except ImportError as exc:
         _check_service_extra(exc)
         raise

@@ -124,18 +124,25 @@ class Acceptor:
         if self._retry is not None:
             self._retry.cancel()
         self.loop.remove_reader(self.sock.fileno())
-        for _ in range(MAX_TAKEN_AT_CLOSE):
-            try:
-                conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                if exc.errno in OUT_OF_RESOURCES:
-                    log.warning("%s: connections still queued are reset as the server stops", exc)
+        try:
+            for _ in range(MAX_TAKEN_AT_CLOSE):
+                try:
+                    conn, _ = self.sock.accept()
+                except (BlockingIOError, InterruptedError):
                     break
-                continue  # this connection's own failure
-            self._start_hand_over(conn)
-        self.sock.close()
+                except OSError as exc:
+                    if exc.errno in OUT_OF_RESOURCES:
+                        log.warning("%s: connections still queued are reset as the server stops", exc)
+                        break
+                    continue  # this connection's own failure
+                self._start_hand_over(conn)
+        finally:
+            self.sock.close()
+
+    async def handed_over(self) -> None:
+        """Until every connection being handed over is the loop's (and known to uvicorn's server state)."""
+        if self._handing:
+            await asyncio.gather(*list(self._handing), return_exceptions=True)
 
     async def wait_closed(self) -> None:
         """Nothing to wait for once ``close`` ran: no connection is accepted after it, and the connections
@@ -150,6 +157,15 @@ def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
 
 class GreedyAcceptServer(uvicorn.Server):
     """uvicorn's server, listening through an ``Acceptor`` where it runs on uvloop over plain TCP."""
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn's wait for the connections to close, once the connections taken from the kernel's queue
+        as the listener closed are known to it: otherwise a shutdown that found none yet would stop the
+        app under their requests."""
+        for server in self.servers:
+            if isinstance(server, Acceptor):
+                await server.handed_over()
+        await super()._wait_tasks_to_complete()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         config = self.config

@@ -404,7 +404,7 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = [h for h in message.get("headers", []) if h[0].lower() != header[0]]
-                if status == 429:  # for the connection (connection_limits): how long it was told to wait
+                if status == 429:  # for the connection (connection_protocol): how long it was told to wait
                     scope[RETRY_AFTER_SCOPE_KEY] = _retry_after(headers)
                 message = {**message, "headers": [*headers, header]}
             await send(message)
