@@ -4,14 +4,15 @@ half parsed, or whose bytes the event loop had not read yet, was cut off with no
 connected and sent before the listener closed then saw the connection reset). Such a request is answered
 with ``connection: close`` and the connection closed after it. A connection that has not sent its first
 request gets ``FIRST_REQUEST_GRACE_S`` to send it; one that has served requests and sent nothing more, or
-whose unread bytes are no request, is closed at once. The server is uvicorn with the server's protocol and
-accept loop, on a thread, on uvloop."""
+whose unread bytes are no request, is closed at once. With a gate refusing on the request head: a request
+held for its connection's ``Retry-After`` is judged at once, and a refusal says ``connection: close``. The
+server is uvicorn with the server's protocol and accept loop, on a thread, on uvloop."""
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,12 +46,24 @@ def until(condition: Any, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+HOLD_S = 6  # the Retry-After of the test gate's refusals: far longer than any answer during the drain
+REFUSAL = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+    b"retry-after: " + str(HOLD_S).encode() + b"\r\n\r\n{}"
+)
+
+
+def refusing_gate(path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """Refuses on the head the requests marked ``x-refuse: 1``, as the admission gate refuses."""
+    return REFUSAL if (b"x-refuse", b"1") in headers else None
+
+
 @contextmanager
-def serving() -> Iterator[tuple[GreedyAcceptServer, int]]:
+def serving(gate: Any = None) -> Iterator[tuple[GreedyAcceptServer, int]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    protocol = header_timeout_protocol(10.0, gate=None)
+    protocol = header_timeout_protocol(10.0, gate=gate, enforce_retry_after=True)
     if protocol is None:
         pytest.fail("httptools is a dependency of the server")
     config = uvicorn.Config(
@@ -158,3 +171,37 @@ def test_unread_bytes_that_are_no_request_do_not_hold_the_shutdown() -> None:
         shut_down(server, connection)
         assert answer_until_closed(sock) == b""
         assert time.monotonic() - began < FIRST_REQUEST_GRACE_S
+
+
+def marked(refuse: bool) -> bytes:
+    return b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 2\r\nx-refuse: %d\r\n\r\nhi" % refuse
+
+
+def test_an_early_request_held_at_the_shutdown_is_answered_at_once_not_after_its_retry_after() -> None:
+    with serving(refusing_gate) as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(marked(refuse=True))
+        refused = b""
+        while not refused.endswith(b"{}"):
+            refused += sock.recv(65536)
+        assert refused.startswith(b"HTTP/1.1 429 ")
+        connection = only_connection(server)
+        sock.sendall(marked(refuse=False))  # before the Retry-After: held by the server
+        until(lambda: connection._held is not None)
+        began = time.monotonic()
+        shut_down(server, connection)
+        answer = answer_until_closed(sock)
+        waited = time.monotonic() - began
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+    assert waited < HOLD_S / 2
+
+
+def test_a_refusal_on_the_head_during_the_drain_says_connection_close() -> None:
+    with serving(refusing_gate) as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
+        connection = only_connection(server)
+        shut_down(server, connection)  # a new connection: its first request may still come
+        sock.sendall(marked(refuse=True))
+        answer = answer_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 429 ")
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+    assert answer.endswith(b"\r\n\r\n{}")
