@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from threaded_server import running_on_a_thread
+from threaded_server import hello, running_on_a_thread
 from vitembed.server import acceptor as acceptor_module
 from vitembed.server.acceptor import Acceptor, GreedyAcceptServer, _listening_socket, run_server
 
@@ -190,16 +190,6 @@ def test_connections_still_in_the_kernels_queue_when_it_stops_are_taken_and_shut
             socket.create_connection(("127.0.0.1", port), timeout=2)
 
     uvloop.run(main())
-
-
-async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import uvicorn
-from threaded_server import running_on_a_thread
+from threaded_server import hello, running_on_a_thread
 from vitembed.server.acceptor import Acceptor, GreedyAcceptServer
 from vitembed.server.connection_protocol import FIRST_REQUEST_GRACE_S, header_timeout_protocol
 
@@ -26,16 +26,6 @@ pytest.importorskip("uvloop")
 pytest.importorskip("httptools")
 
 REQUEST_HEAD = b"GET / HTTP/1.1\r\nHost: test\r\n"
-
-
-async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
 
 
 def until(condition: Any, timeout: float = 5.0) -> None:
@@ -95,6 +85,13 @@ def one_request(sock: socket.socket) -> bytes:
     return answer
 
 
+def unread_until_the_shutdown(connection: Any) -> None:
+    """What the client sends next stays in the kernel's buffer until the shutdown, as when both reach the
+    loop in the same pass."""
+    connection.loop.call_soon_threadsafe(connection.flow.pause_reading)
+    until(lambda: connection.flow.read_paused)
+
+
 def answer_until_closed(sock: socket.socket) -> bytes:
     sock.settimeout(5)
     received = b""
@@ -119,9 +116,7 @@ def test_a_request_head_begun_before_the_shutdown_is_answered_then_the_connectio
 def test_a_request_the_loop_had_not_read_at_the_shutdown_is_answered() -> None:
     with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
         connection = only_connection(server)
-        # the loop does not read it before the shutdown, as when both happen in the same pass
-        connection.loop.call_soon_threadsafe(connection.flow.pause_reading)
-        until(lambda: connection.flow.read_paused)
+        unread_until_the_shutdown(connection)
         sock.sendall(REQUEST_HEAD + b"\r\n")
         time.sleep(0.1)  # in the kernel's buffer, unread
         shut_down(server, connection)
@@ -163,8 +158,7 @@ def test_unread_bytes_that_are_no_request_do_not_hold_the_shutdown() -> None:
     with serving() as (server, port), socket.create_connection(("127.0.0.1", port)) as sock:
         assert one_request(sock).startswith(b"HTTP/1.1 200 OK\r\n")
         connection = only_connection(server)
-        connection.loop.call_soon_threadsafe(connection.flow.pause_reading)
-        until(lambda: connection.flow.read_paused)
+        unread_until_the_shutdown(connection)
         sock.sendall(b"\r\n")  # an empty line between requests: read, and no request begins
         time.sleep(0.1)
         began = time.monotonic()

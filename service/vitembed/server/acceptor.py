@@ -73,21 +73,27 @@ class Acceptor:
 
     def _accept(self) -> None:
         self.wakes += 1
-        for _ in range(self.max_per_wake):
+        exhausted = self._take(self.max_per_wake)
+        if exhausted is not None:  # the waiting connections stay queued meanwhile (libuv would drop them)
+            log.warning("accepting connections paused for %g s: %s", ACCEPT_RETRY_S, exhausted)
+            self.loop.remove_reader(self.sock.fileno())
+            self._retry = self.loop.call_later(ACCEPT_RETRY_S, self.start)
+
+    def _take(self, limit: int) -> OSError | None:
+        """Accept and hand over up to ``limit`` waiting connections; the error that stopped it when the
+        process is out of descriptors or memory (None: the queue is empty or the limit reached)."""
+        for _ in range(limit):
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return None
             except OSError as exc:
-                if exc.errno not in OUT_OF_RESOURCES:  # this connection's failure (aborted, EPROTO...)
-                    log.debug("a connection failed while it was accepted: %s", exc)
-                    continue
-                # the waiting connections stay queued meanwhile (libuv would drop them)
-                log.warning("accepting connections paused for %g s: %s", ACCEPT_RETRY_S, exc)
-                self.loop.remove_reader(self.sock.fileno())
-                self._retry = self.loop.call_later(ACCEPT_RETRY_S, self.start)
-                return
+                if exc.errno in OUT_OF_RESOURCES:
+                    return exc
+                log.debug("a connection failed while it was accepted: %s", exc)  # its own (aborted, EPROTO)
+                continue
             self._start_hand_over(conn)
+        return None
 
     def _start_hand_over(self, conn: socket.socket) -> None:
         try:
@@ -125,17 +131,9 @@ class Acceptor:
             self._retry.cancel()
         self.loop.remove_reader(self.sock.fileno())
         try:
-            for _ in range(MAX_TAKEN_AT_CLOSE):
-                try:
-                    conn, _ = self.sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    if exc.errno in OUT_OF_RESOURCES:
-                        log.warning("%s: connections still queued are reset as the server stops", exc)
-                        break
-                    continue  # this connection's own failure
-                self._start_hand_over(conn)
+            exhausted = self._take(MAX_TAKEN_AT_CLOSE)
+            if exhausted is not None:
+                log.warning("%s: connections still queued are reset as the server stops", exhausted)
         finally:
             self.sock.close()
 

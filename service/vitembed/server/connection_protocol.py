@@ -155,8 +155,7 @@ def header_timeout_protocol(
                 return
             if self._retry_at is not None and not self._discarding:
                 early = self._retry_at - self.loop.time()
-                idle = self.cycle is None or self.cycle.response_complete
-                if early > 0 and idle:  # a new request before the Retry-After this connection was given
+                if early > 0 and self._idle():  # a new request before its Retry-After
                     self._held = [data]
                     self.flow.pause_reading()
                     self._unset_keepalive_if_required()
@@ -188,11 +187,10 @@ def header_timeout_protocol(
             ``connection: close``, and closes after; so does one that has not sent its first request yet,
             if that request comes within ``FIRST_REQUEST_GRACE_S`` (its client connected before the listener
             closed). A request that does not complete within ``header_timeout_s`` is not waited for."""
-            idle = self.cycle is None or self.cycle.response_complete
-            if not idle or self.transport.is_closing():
+            if not self._idle() or self.transport.is_closing():
                 super().shutdown()
                 return
-            begun = self._head_begun or self._held is not None or self._discarding
+            begun = self._begun()
             fresh = self._requests_begun == 0
             if not (begun or fresh or unread_bytes(self.transport) > 0):
                 super().shutdown()
@@ -219,18 +217,23 @@ def header_timeout_protocol(
             request, or its answer is out)."""
             if not self._draining or self.transport.is_closing():
                 return
-            idle = self.cycle is None or self.cycle.response_complete
-            begun = self._head_begun or self._held is not None or self._discarding
             waiting = self._pending_answer is not None or unread_bytes(self.transport) > 0
-            if idle and not begun and not waiting and self._requests_begun > 0:
+            if self._idle() and not self._begun() and not waiting and self._requests_begun > 0:
                 self.transport.close()
+
+        def _idle(self) -> bool:
+            """No request being answered here."""
+            return self.cycle is None or self.cycle.response_complete
+
+        def _begun(self) -> bool:
+            """A next request on its way in: its head partly parsed, held for its Retry-After, or a refused
+            body still coming."""
+            return self._head_begun or self._held is not None or self._discarding
 
         def _drain_timed_out(self) -> None:
             self._drain_timer = None
-            if self.transport.is_closing():
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                return  # being answered, with connection: close
+            if self.transport.is_closing() or not self._idle():
+                return  # closed, or being answered with connection: close
             self._write_pending_answer()
             self.transport.close()
 
@@ -262,7 +265,7 @@ def header_timeout_protocol(
 
         def _answered_on_head(self) -> bool:
             assert gate is not None
-            if self.cycle is not None and not self.cycle.response_complete:
+            if not self._idle():
                 return False  # a pipelined request: the app answers in order
             if self.parser.get_method() != b"POST":
                 return False
@@ -385,7 +388,7 @@ def header_timeout_protocol(
             self._head_timer = None
             if self.transport.is_closing():
                 return
-            if self.cycle is not None and not self.cycle.response_complete:
+            if not self._idle():
                 return  # a request is being answered: its own limits apply
             if self._head_begun:
                 body = json.dumps(
